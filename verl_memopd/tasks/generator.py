@@ -116,9 +116,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("small", TaskConfig(n_chunks=4, n_questions=2, distractor_rate=1.0, chunk_words=60),
            {"train": 2048, "val": 128, "test": 128}),
     Preset("3b", TaskConfig(n_chunks=8, n_questions=3, distractor_rate=2.0, chunk_words=400),
-           {"train": 8192, "val": 256, "test": 256}),
+           {"train": 4096, "val": 128, "test": 128}),
     Preset("7b", TaskConfig(n_chunks=16, n_questions=4, distractor_rate=2.0, chunk_words=800),
-           {"train": 8192, "val": 256, "test": 256}),
+           {"train": 2048, "val": 128, "test": 128}),
 )}
 
 

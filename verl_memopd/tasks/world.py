@@ -26,7 +26,7 @@ from functools import lru_cache
 
 __all__ = [
     "Relation", "QuestionKind", "Vocabulary", "Fact", "World",
-    "RELATIONS", "QUESTION_KINDS", "VOCABULARIES", "get_vocabulary", "parse_fact", "looks_alike",
+    "RELATIONS", "QUESTION_KINDS", "VOCABULARIES", "get_vocabulary", "parse_fact", "parse_question", "looks_alike",
 ]
 
 
@@ -59,6 +59,12 @@ class QuestionKind:
     @property
     def hops(self) -> int:
         return len(self.relations)
+
+    def parse(self, text: str) -> str | None:
+        """The subject of ``text`` if it is a question of this kind, else None."""
+        head, tail = self.template.split("{s}")
+        m = re.fullmatch(re.escape(head) + r"(?P<s>[A-Z][\w ]*?)" + re.escape(tail), text.strip())
+        return m.group("s") if m else None
 
 
 def _registry(items) -> dict:
@@ -201,6 +207,15 @@ def parse_fact(sentence: str) -> Fact | None:
         m = rel.pattern.match(sentence.strip())
         if m:
             return Fact(m.group("s"), rel.name, m.group("o"))
+    return None
+
+
+def parse_question(text: str) -> tuple[QuestionKind, str] | None:
+    """``(kind, subject)`` of a generated question, or None if no template matches."""
+    for kind in QUESTION_KINDS.values():
+        subject = kind.parse(text)
+        if subject is not None:
+            return kind, subject
     return None
 
 

@@ -1,0 +1,109 @@
+"""Benchmark episodes <-> rows of verl's RL parquet dataset, validated on the way back.
+
+Row schema (one episode per row; what ``RLHFDataset`` reads and the agent loop receives)::
+
+    data_source   "memopd_memory/<preset>"
+    prompt        [{"role": "user", "content": q}]           q = task text + numbered questions
+    ability       "memory"
+    reward_model  {"style": "rule", "ground_truth": [[alias, ...] x K]}
+    extra_info    {"index": i, "split": s, "episode_id": "<split>-<i>",
+                   "questions": [str x K], "chunks": [str x N],
+                   "support": [[fact sentence, ...] x K]}   (analysis only, never shown)
+    agent_name    "memopd_memory_agent"                      the agent loop registered in verl_memopd.agent
+
+:func:`parse_row` is the one gate back in: a row with missing answers, empty chunks or a
+question/answer count mismatch raises ``ValueError`` naming the row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from verl_memopd.tasks.generator import MemoryTask
+from verl_memopd.tasks.prompts import MemoryPrompts
+from verl_memopd.tasks.reward import as_answer_sets
+
+__all__ = ["AGENT_NAME", "DATA_SOURCE", "TaskRow", "to_row", "parse_row", "write_rows", "read_rows"]
+
+#: Name under which the memory agent loop registers with verl (``agent_name`` column).
+AGENT_NAME = "memopd_memory_agent"
+#: ``data_source`` prefix; the preset name follows after a slash.
+DATA_SOURCE = "memopd_memory"
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    """A validated dataset row: what the agent and the oracle need (``where`` names it in errors)."""
+
+    where: str
+    questions: tuple[str, ...]
+    chunks: tuple[str, ...]
+    answer_sets: tuple[tuple[str, ...], ...]
+
+
+def to_row(task: MemoryTask, preset: str, split: str, index: int, prompts: MemoryPrompts = MemoryPrompts()) -> dict:
+    """The parquet row of one generated episode (schema in the module docstring)."""
+    questions = [q.text for q in task.questions]
+    return {
+        "data_source": f"{DATA_SOURCE}/{preset}",
+        "prompt": [{"role": "user", "content": prompts.question_text(questions)}],
+        "ability": "memory",
+        "reward_model": {"style": "rule", "ground_truth": [list(q.answers) for q in task.questions]},
+        "extra_info": {
+            "index": index, "split": split, "episode_id": task.episode_id,
+            "questions": questions, "chunks": list(task.chunks),
+            "support": [[f.sentence for f in q.support] for q in task.questions],
+        },
+        "agent_name": AGENT_NAME,
+    }
+
+
+def _strings(value: Any, name: str, where: str) -> tuple[str, ...]:
+    if value is None or isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise ValueError(f"{where}: extra_info.{name} must be a list of strings, got {value!r}")
+    out = tuple(value)
+    if not out:
+        raise ValueError(f"{where}: extra_info.{name} is empty")
+    for i, s in enumerate(out):
+        if not isinstance(s, str) or not s.strip():
+            raise ValueError(f"{where}: extra_info.{name}[{i}] is empty or not a string ({s!r})")
+    return out
+
+
+def parse_row(extra_info: Mapping | None, reward_model: Mapping | None, where: str | None = None) -> TaskRow:
+    """Validate the task fields of a row (its ``extra_info`` and ``reward_model``).
+
+    ``where`` defaults to ``row <extra_info.index> (<episode_id>)``. Raises ``ValueError`` for
+    a missing field, no/empty questions or chunks, a question without answers, or K questions
+    with a different number of answer sets.
+    """
+    if not isinstance(extra_info, Mapping):
+        raise ValueError(f"{where or 'row ?'}: extra_info is missing or not a mapping ({type(extra_info).__name__})")
+    where = where or f"row {extra_info.get('index', '?')} ({extra_info.get('episode_id', '?')})"
+    if not isinstance(reward_model, Mapping) or "ground_truth" not in reward_model:
+        raise ValueError(f"{where}: reward_model.ground_truth is missing (the answers)")
+    questions = _strings(extra_info.get("questions"), "questions", where)
+    chunks = _strings(extra_info.get("chunks"), "chunks", where)
+    answer_sets = as_answer_sets(reward_model["ground_truth"], where)
+    if len(answer_sets) != len(questions):
+        raise ValueError(f"{where}: {len(questions)} questions but {len(answer_sets)} answer sets (K mismatch)")
+    return TaskRow(where, questions, chunks, answer_sets)
+
+
+def write_rows(rows: Iterable[dict], path: str | Path) -> int:
+    """Write rows to a parquet file; returns the row count."""
+    import pandas as pd
+
+    df = pd.DataFrame(list(rows))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    df.to_parquet(path, index=False)
+    return len(df)
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Read a parquet file written by :func:`write_rows` as plain Python rows (lists, not arrays)."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
