@@ -12,8 +12,9 @@ templates (the oracle reads chunks that way), so fact sentences are unambiguous:
 Questions are 1-hop (one relation) or 2-hop (two relations through a bridge entity,
 e.g. "In which country does Mara Tovin live?" = lives_in then located_in).
 
-Look-alikes: two names look alike when they share a word or their first three letters
-(``Mara Tovin`` / ``Mara Kesh``, ``Velora`` / ``Velmar``); distractors use them.
+Look-alikes: two names look alike when they share a word, their first two or their last three
+letters (``Mara Tovin`` / ``Mara Kesh``, ``Velora`` / ``Velmar``, ``Drovia`` / ``Lovia``);
+distractors use them. Every name of every pool has at least one look-alike.
 """
 
 from __future__ import annotations
@@ -112,6 +113,10 @@ class Vocabulary:
         for t in sorted(needed):
             if len(self.pools.get(t, ())) < 2:
                 raise ValueError(f"vocabulary {self.name!r}: pool {t!r} needs at least 2 names")
+        for t, pool in self.pools.items():
+            lone = [a for a in pool if not any(looks_alike(a, b) for b in pool)]
+            if lone:
+                raise ValueError(f"vocabulary {self.name!r}: pool {t!r} names without a look-alike: {lone}")
         for s in self.filler:
             if parse_fact(s) is not None:
                 raise ValueError(f"vocabulary {self.name!r}: filler sentence {s!r} parses as a fact")
@@ -119,7 +124,7 @@ class Vocabulary:
 
 _TINY_FIRST = ("Mara", "Tomas", "Ilse", "Bram", "Nia", "Hugo")
 _TINY_LAST = ("Tovin", "Kesh", "Amsel", "Vanter", "Orby", "Lund")
-_TINY_COMPANIES = {"Zentek": "Labs", "Zorva": "Works", "Brightmill": "Group", "Corla": "Labs", "Halden": "Works"}
+_TINY_COMPANIES = {"Zentek": "Labs", "Zenva": "Works", "Brightmill": "Group", "Corla": "Labs", "Halden": "Group"}
 _TINY_FILLER = (
     "The rain did not stop that day.", "Nobody said much at dinner.", "The road was long and quiet.",
     "A dog barked in the yard.", "The old clock struck nine.", "Someone left the door open.",
@@ -152,8 +157,8 @@ def _tiny() -> Vocabulary:
         name="tiny",
         pools={
             "person": tuple(f"{f} {l}" for f in _TINY_FIRST for l in _TINY_LAST),
-            "city": ("Velora", "Velmar", "Kesh Hill", "Orin", "Orla", "Dunmore"),
-            "country": ("Drenmark", "Drovia", "Altland", "Sarnia"),
+            "city": ("Velora", "Velmar", "Kesh Hill", "Kesh Vale", "Orin", "Orla"),
+            "country": ("Drenmark", "Drovia", "Sarnia", "Sarland"),
             "company": companies,
             "year": tuple(str(y) for y in range(1990, 2000)),
         },
@@ -220,8 +225,9 @@ def parse_question(text: str) -> tuple[QuestionKind, str] | None:
 
 
 def looks_alike(a: str, b: str) -> bool:
-    """True for two different names sharing a word or their first three letters."""
-    return a != b and (bool(set(a.split()) & set(b.split())) or a[:3].lower() == b[:3].lower())
+    """True for two different names sharing a word, their first two or their last three letters."""
+    a_, b_ = a.lower(), b.lower()
+    return a != b and (bool(set(a.split()) & set(b.split())) or a_[:2] == b_[:2] or a_[-3:] == b_[-3:])
 
 
 @dataclass
@@ -248,10 +254,8 @@ class World:
         return tuple(facts)
 
     def lookalike(self, name: str, entity_type: str) -> str:
-        """A random look-alike of ``name`` from its pool (any other name when none looks alike)."""
-        pool = self.vocab.pools[entity_type]
-        similar = [n for n in pool if looks_alike(name, n)]
-        return self.rng.choice(similar or [n for n in pool if n != name])
+        """A random look-alike of ``name`` from its pool (every name has one, see Vocabulary)."""
+        return self.rng.choice([n for n in self.vocab.pools[entity_type] if looks_alike(name, n)])
 
     def answers(self, name: str) -> tuple[str, ...]:
         """All accepted answers for entity ``name``: the name first, then its aliases."""
