@@ -1,0 +1,134 @@
+"""Divergences between the student's and the teacher's next-token distributions: per-chunk maths.
+
+Every divergence here is a sum of pointwise terms over the support (vocabulary entries, or
+the K + 1 bins of the top-k transport)::
+
+    D(p_S, p_T) = sum_j f(a_j, b_j)        a = log p_S, b = log p_T   (normalised log-probs)
+
+A divergence supplies only ``f`` and ``g = df/da`` elementwise on a chunk; the chunked kernels
+(:mod:`verl_memopd.losses.chunked`) own normalisation, chunking and the softmax Jacobian
+(``dD/dz_j = (g_j - p_S,j * sum_k g_k) / T`` for student logits ``z`` at temperature ``T``).
+Zero-probability entries contribute 0 (``0 * log 0 = 0``); an entry where one side has mass and
+the other has none gives +inf, the true value.
+
+Each divergence also has ``reference``: the same quantity written plainly with
+``torch.nn.functional`` over full (A, V) log-probs -- the naive path the kernels are tested
+and benchmarked against.
+
+Registered names: ``reverse_kl`` (default; KL(p_S || p_T), the MemOPD loss), ``forward_kl``
+(KL(p_T || p_S)) and ``jsd`` (generalised Jensen-Shannon, parameter ``beta``).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["Divergence", "DIVERGENCES", "register_divergence", "get_divergence"]
+
+
+class Divergence(ABC):
+    """Pointwise maths of one divergence. Shapes: (n, c) chunks, or (A, V) in ``reference``."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def pointwise(
+        self, a: torch.Tensor, b: torch.Tensor, with_grad: bool = False
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """a, b: (n, c) fp32 student / teacher log-probs -> f (n, c) and g = df/da (n, c) or None."""
+
+    @abstractmethod
+    def reference(self, student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+        """student_logp, teacher_logp: (A, V) full log-probs -> (A,) divergence (autograd-friendly)."""
+
+
+DIVERGENCES: dict[str, Callable[..., Divergence]] = {}
+
+
+def register_divergence(name: str) -> Callable[[type], type]:
+    """Class decorator: register a Divergence under ``name``; duplicate names are refused."""
+
+    def decorator(cls: type) -> type:
+        if name in DIVERGENCES:
+            raise ValueError(f"divergence {name!r} is already registered ({DIVERGENCES[name]})")
+        cls.name = name
+        DIVERGENCES[name] = cls
+        return cls
+
+    return decorator
+
+
+def get_divergence(name: str, **params: Any) -> Divergence:
+    """Build the divergence registered as ``name`` (``params``: e.g. ``beta`` for jsd)."""
+    if name not in DIVERGENCES:
+        raise ValueError(f"unknown divergence {name!r}; valid divergences: {sorted(DIVERGENCES)}")
+    return DIVERGENCES[name](**params)
+
+
+def _weighted_log_ratio(logp: torch.Tensor, log_other: torch.Tensor) -> torch.Tensor:
+    """exp(logp) * (logp - log_other), with 0 wherever exp(logp) == 0."""
+    p = logp.exp()
+    return torch.where(p > 0, p * (logp - log_other), 0.0)
+
+
+@register_divergence("reverse_kl")
+@dataclass(frozen=True)
+class ReverseKL(Divergence):
+    """KL(p_S || p_T) = sum_j p_S,j (a_j - b_j): mode-seeking, over the student's own samples."""
+
+    def pointwise(self, a, b, with_grad=False):
+        f = _weighted_log_ratio(a, b)
+        return f, (f + a.exp()) if with_grad else None  # g = p_S (a - b + 1)
+
+    def reference(self, student_logp, teacher_logp):
+        return F.kl_div(teacher_logp, student_logp, reduction="none", log_target=True).sum(-1)
+
+
+@register_divergence("forward_kl")
+@dataclass(frozen=True)
+class ForwardKL(Divergence):
+    """KL(p_T || p_S) = sum_j p_T,j (b_j - a_j): mass-covering."""
+
+    def pointwise(self, a, b, with_grad=False):
+        return _weighted_log_ratio(b, a), -b.exp() if with_grad else None  # g = -p_T
+
+    def reference(self, student_logp, teacher_logp):
+        return F.kl_div(student_logp, teacher_logp, reduction="none", log_target=True).sum(-1)
+
+
+@register_divergence("jsd")
+@dataclass(frozen=True)
+class GeneralizedJSD(Divergence):
+    """beta * KL(p_T || M) + (1 - beta) * KL(p_S || M) with M = beta * p_T + (1 - beta) * p_S.
+
+    beta in (0, 1) (default 0.5: the symmetric Jensen-Shannon divergence, bounded by log 2).
+    """
+
+    beta: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.beta < 1.0:
+            raise ValueError(f"jsd: beta = {self.beta} must be strictly between 0 and 1")
+
+    def _log_mixture(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.logaddexp(b + math.log(self.beta), a + math.log1p(-self.beta))
+
+    def pointwise(self, a, b, with_grad=False):
+        log_m = self._log_mixture(a, b)
+        student_term = (1.0 - self.beta) * _weighted_log_ratio(a, log_m)
+        f = self.beta * _weighted_log_ratio(b, log_m) + student_term
+        return f, student_term if with_grad else None  # g = (1 - beta) p_S (a - log M)
+
+    def reference(self, student_logp, teacher_logp):
+        log_m = torch.logsumexp(
+            torch.stack([teacher_logp + math.log(self.beta), student_logp + math.log1p(-self.beta)]), dim=0
+        )
+        kl_t = F.kl_div(log_m, teacher_logp, reduction="none", log_target=True).sum(-1)
+        kl_s = F.kl_div(log_m, student_logp, reduction="none", log_target=True).sum(-1)
+        return self.beta * kl_t + (1.0 - self.beta) * kl_s
