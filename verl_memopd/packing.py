@@ -343,7 +343,8 @@ class BatchLayout:
                 raise LayoutError(f"layout {self.name!r}: {name} must have the (B, L) shape {shape}")
         b, l = shape
         if self.segments.num_tokens != b * l:
-            raise LayoutError(f"layout {self.name!r}: segments cover {self.segments.num_tokens} tokens, not B*L = {b * l}")
+            raise LayoutError(f"layout {self.name!r}: segments cover {self.segments.num_tokens} tokens, "
+                              f"not B*L = {b * l}")
         if (self.teacher_mask & ~self.action_mask).any():
             raise LayoutError(f"layout {self.name!r}: teacher_mask must satisfy m_T <= m_act")
         index = self.action_mask.reshape(-1).nonzero().squeeze(1)

@@ -170,7 +170,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--episodes", type=int, default=200, help="random episodes to audit (default 200)")
     p.add_argument("--seed", type=int, default=0, help="seed of episodes and random model weights (default 0)")
     p.add_argument("--model", default=None, help="HF model folder (default: random tiny student, verl_memopd.tiny)")
-    p.add_argument("--backend", default="torch", choices=sorted(BACKENDS), help="packed attention backend (default torch)")
+    p.add_argument("--backend", default="torch", choices=sorted(BACKENDS),
+                   help="packed attention backend (default torch)")
     p.add_argument("--dtype", default="float32", choices=[str(d).replace("torch.", "") for d in TOLERANCES])
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--batch-episodes", type=int, default=25, help="episodes per forward (default 25)")

@@ -1,0 +1,44 @@
+"""Packing benchmark: the work formula, the dispatcher, and the final line."""
+
+import re
+
+import pytest
+
+from verl_memopd.bench import __main__ as bench
+from verl_memopd.bench.packing import layout_work
+from verl_memopd.packing import build_layout
+from verl_memopd.rce import EpisodeShape, random_episodes
+from verl_memopd.tiny import teacher_config
+
+CONFIG = teacher_config(vocab_size=64)
+
+
+@pytest.mark.parametrize("name", ["packed", "per_call_varlen"])
+def test_layout_work_counts_visible_pairs(name):
+    layout = build_layout(name, random_episodes(3, 64, 0, EpisodeShape(prefix_len=(3, 9), chunk_len=(1, 5))))
+    h, i, hq, hkv, d = 256, 512, 8, 4, 32
+    c_tok = 2 * (h * (hq * d + 2 * hkv * d) + hq * d * h + 3 * h * i)
+    pairs = int(layout.segments.visibility().sum())
+    assert layout_work(layout, CONFIG) == layout.input_ids.numel() * c_tok + pairs * 4 * hq * d
+
+
+def test_ideal_is_one_without_sharing_and_above_one_with_it():
+    single = random_episodes(4, 64, 1, EpisodeShape(calls=(1, 1)))
+    many = random_episodes(4, 64, 1, EpisodeShape(prefix_len=(40, 60), calls=(3, 5), chunk_len=(5, 10)))
+    ratio = [layout_work(build_layout("per_call_varlen", eps), CONFIG)
+             / layout_work(build_layout("packed", eps), CONFIG) for eps in (single, many)]
+    assert ratio[0] == pytest.approx(1.0) and ratio[1] > 1.5
+
+
+def test_dispatcher_lists_benchmarks_for_an_unknown_name(capsys):
+    assert bench.main(["nope"]) == 2
+    err = capsys.readouterr().err
+    assert "'nope'" in err and all(name in err for name in ("packing", "kl", "transport"))
+
+
+def test_packing_benchmark_ends_with_the_issue_line(capsys):
+    assert bench.main(["packing", "--episodes", "1", "--warmup", "0", "--repeats", "1"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    m = re.fullmatch(r"packing speedup_vs_per_call=(\S+) ideal=(\S+) efficiency=(\S+)", last)
+    x, y, efficiency = (float(g) for g in m.groups())
+    assert y > 1 and efficiency == pytest.approx(x / y, abs=3e-3)  # values printed with 3 decimals

@@ -1,0 +1,34 @@
+"""``python -m verl_memopd.bench {packing,kl,transport} [args]``: run one benchmark.
+
+Each benchmark is a module ``verl_memopd.bench.<name>`` with ``main(argv) -> int`` (the exit
+status); it is imported only when run. Every benchmark prints ratios measured in one run and ends
+with the one line its issue specifies.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional, Sequence
+
+#: benchmark name -> what it measures.
+BENCHMARKS: dict[str, str] = {
+    "packing": "actor forward+backward: packed vs per-call layouts (speed-up against the token-count ideal)",
+    "kl": "full-vocabulary divergence: chunked vs naive (time, memory, agreement)",
+    "transport": "teacher supervision transports: hidden states vs top-k + tail vs full logits",
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in BENCHMARKS:
+        got = repr(argv[0]) if argv else "no benchmark"
+        listing = "\n".join(f"  {name:10s} {what}" for name, what in BENCHMARKS.items())
+        print(f"usage: python -m verl_memopd.bench NAME [args]  ({got} given); benchmarks:\n{listing}",
+              file=sys.stderr)
+        return 2
+    return importlib.import_module(f"verl_memopd.bench.{argv[0]}").main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
