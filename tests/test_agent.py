@@ -1,0 +1,238 @@
+"""Memory agent loop with a scripted, deterministic fake LLM server (no vLLM, no Ray).
+
+The fake server records every request; the tests check that the agent's invocation records
+reproduce exactly the ids the server received and returned, that ``q`` is shared token for
+token, that budgets and truncation are honoured and recorded, and that the packed row and
+its extra fields are what verl and the MemOPD trainer consume.
+"""
+
+import asyncio
+
+import hydra
+import pytest
+from omegaconf import OmegaConf
+from verl.experimental.agent_loop.agent_loop import DictConfigWrap, _agent_loop_registry
+from verl.utils.dataset.rl_dataset import RLHFDataset
+from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+from verl.workers.rollout.replica import TokenOutput
+
+from verl_memopd.agent import MemoryAgentConfig
+from verl_memopd.agent.loop import EXTRA_EPISODE, EXTRA_POSITION_IDS, EXTRA_SEGMENT_IDS, EXTRA_TEACHER_MASK
+from verl_memopd.packing import pack_episode
+from verl_memopd.records import Episode
+from verl_memopd.tasks.dataset import AGENT_NAME, to_row
+from verl_memopd.tasks.generator import corpus, generate, get_preset
+from verl_memopd.tasks.prompts import MemoryPrompts, format_answers
+
+EOS = "<|im_end|>"
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A small byte-level BPE trained on benchmark text, ChatML template, ``<|im_end|>`` = eos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(list(corpus(60, seed=0, presets=("tiny",))), trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token=EOS)
+    hf.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    hf.chat_template = CHATML
+    return hf
+
+
+class FakeServer:
+    """Deterministic stand-in for verl's LLM server client; ``script(t, prompt, max_tokens)`` -> ids.
+
+    A plain class on purpose: hydra.utils.instantiate would turn a dataclass argument into a DictConfig.
+    """
+
+    def __init__(self, script, with_logprobs=True):
+        self.script, self.with_logprobs, self.requests = script, with_logprobs, []
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        t = len(self.requests)
+        ids = list(self.script(t, list(prompt_ids), sampling_params["max_tokens"]))
+        logprobs = [-0.01 * (t + 1) - 0.001 * i for i in range(len(ids))] if self.with_logprobs else None
+        self.requests.append({"request_id": request_id, "prompt_ids": list(prompt_ids),
+                              "sampling_params": dict(sampling_params), "token_ids": ids, "log_probs": logprobs})
+        return TokenOutput(token_ids=ids, log_probs=logprobs, stop_reason="completed")
+
+
+def _filler(prompt, n):
+    """n prompt-dependent ordinary token ids (3.. avoids the special tokens 0, 1, 2)."""
+    return [3 + (sum(prompt) * 31 + 7 * i) % 500 for i in range(n)]
+
+
+def _script(tokenizer, answers):
+    """call 0: 5 tokens + eos; call 1: runs into its budget; call 2: eos only; answer call: the answers."""
+    eos = tokenizer.eos_token_id
+
+    def script(t, prompt, max_tokens):
+        if not tokenizer.decode(prompt).endswith("<|im_start|>assistant\n"):  # every call ends in the gen. prompt
+            raise AssertionError("prompt does not end with the generation prompt")
+        if t == 0:
+            return _filler(prompt, 5) + [eos]
+        if t == 1:
+            return _filler(prompt, max_tokens)
+        if t == 2:
+            return [eos]
+        return tokenizer.encode(format_answers(answers)) + [eos]
+    return script
+
+
+def _row(index=3):
+    return to_row(generate(get_preset("tiny").config, 0, "val", index), "tiny", "val", index)
+
+
+def _config(**agent):
+    return OmegaConf.create({
+        "actor_rollout_ref": {"rollout": {"prompt_length": 256, "response_length": 2048, "max_model_len": None}},
+        "data": {},
+        "memopd": {"agent": {"memory_tokens": 12, "answer_tokens": 40, **agent}},
+    })
+
+
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+
+
+def _run(tokenizer, server, row, config=None):
+    async def go():
+        config_ = config if config is not None else _config()
+        loop = hydra.utils.instantiate(  # exactly how verl's AgentLoopWorker builds an agent loop
+            _agent_loop_registry[AGENT_NAME], trainer_config=DictConfigWrap(config_), server_manager=server,
+            tokenizer=tokenizer, processor=None, dataset_cls=RLHFDataset, data_config=DictConfigWrap(config_.data))
+        return await loop.run(dict(SAMPLING), raw_prompt=row["prompt"], extra_info=row["extra_info"],
+                              reward_model=row["reward_model"], data_source=row["data_source"], uid="u3", index=3)
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def episode_run(tokenizer):
+    row = _row()
+    server = FakeServer(_script(tokenizer, [a[0] for a in row["reward_model"]["ground_truth"]]))
+    output = _run(tokenizer, server, row)
+    return row, server, output, Episode.from_dict(output.extra_fields[EXTRA_EPISODE])
+
+
+def test_records_reproduce_exactly_what_the_server_received_and_returned(episode_run):
+    row, server, _, episode = episode_run
+    n = len(row["extra_info"]["chunks"])
+    assert len(server.requests) == len(episode.invocations) == n + 1
+    for inv, req in zip(episode.invocations, server.requests):
+        assert list(inv.prompt_ids) == req["prompt_ids"]
+        assert list(inv.response_ids) == req["token_ids"]
+        assert list(inv.response_logprobs) == pytest.approx(req["log_probs"])
+    assert len({r["request_id"] for r in server.requests}) == 1  # sticky session: prefix-cache reuse of q
+
+
+def test_q_is_rendered_once_and_shared_token_for_token(tokenizer, episode_run):
+    row, server, output, episode = episode_run
+    q_text = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=False)
+    assert list(episode.prefix_ids) == tokenizer.encode(q_text)
+    assert output.prompt_ids == list(episode.prefix_ids)
+    assert all(r["prompt_ids"][:episode.prefix_len] == output.prompt_ids for r in server.requests)
+
+
+def test_calls_read_memory_ids_chunk_and_instruction(tokenizer, episode_run):
+    row, server, _, episode = episode_run
+    prompts, chunks = MemoryPrompts(), row["extra_info"]["chunks"]
+    head = tokenizer.encode(f"<|im_start|>user\n{prompts.memory_header}\n")
+    for t, inv in enumerate(episode.invocations):
+        ctx = list(episode.context_ids(t))
+        assert ctx[:len(head)] == head
+        previous = episode.invocations[t - 1].memory_ids if t else ()
+        memory = list(previous) or tokenizer.encode(prompts.empty_memory)
+        assert ctx[len(head):len(head) + len(memory)] == memory  # the sampled ids themselves, not re-tokenized
+        text = tokenizer.decode(ctx[len(head) + len(memory):])
+        if t < len(chunks):
+            assert text.startswith(f"\n\nChunk {t + 1} of {len(chunks)}:\n{chunks[t]}\n\n{prompts.write_instruction}")
+        else:
+            assert text.startswith(f"\n\n{prompts.answer_instruction}")
+        assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_budgets_stop_ids_and_truncation_are_recorded(tokenizer, episode_run):
+    row, server, _, episode = episode_run
+    eos, n = tokenizer.eos_token_id, len(row["extra_info"]["chunks"])
+    budgets = [r["sampling_params"]["max_tokens"] for r in server.requests]
+    assert budgets == [12] * n + [40]
+    assert all(r["sampling_params"]["stop_token_ids"] == [eos] for r in server.requests)
+    assert all(r["sampling_params"]["temperature"] == 1.0 for r in server.requests)
+    first, truncated, empty, answer = episode.invocations
+    assert (first.finish_reason, first.memory_span) == ("stop", (0, 5))  # memory = response minus eos
+    assert (truncated.finish_reason, truncated.memory_span) == ("length", (0, 12))  # kept, marked truncated
+    assert truncated.truncated and len(truncated.response_ids) == 12
+    assert (empty.finish_reason, empty.memory_span, empty.memory_ids) == ("stop", (0, 0), ())
+    assert (answer.finish_reason, answer.memory_span) == ("stop", None)
+
+
+def test_output_is_the_packed_row_with_documented_extra_fields(episode_run):
+    _, _, output, episode = episode_run
+    packed = pack_episode(episode)
+    assert output.response_ids == list(packed.response_ids)
+    assert output.response_mask == list(packed.response_mask)
+    assert output.response_logprobs == list(packed.response_logprobs)
+    assert sum(output.response_mask) == sum(len(i.response_ids) for i in episode.invocations)
+    assert output.extra_fields[EXTRA_POSITION_IDS] == list(packed.position_ids)
+    assert output.extra_fields[EXTRA_SEGMENT_IDS] == list(packed.segment_ids)
+    assert output.extra_fields[EXTRA_TEACHER_MASK] == list(packed.teacher_mask)
+    assert output.num_turns == 2 * len(episode.invocations)
+    # what verl's TransferQueue path does with it: as_dict, then one TensorDict row
+    td = list_of_dict_to_tensordict([output.as_dict()])
+    assert td["responses"][0].tolist() == output.response_ids
+    assert td["rm_scores"][0][-1].item() == output.reward_score
+    assert td["extra_fields"][0][EXTRA_POSITION_IDS] == list(packed.position_ids)
+
+
+def test_reward_scores_the_final_answer_text(tokenizer, episode_run):
+    row, _, output, episode = episode_run
+    assert output.reward_score == episode.reward == 1.0
+    assert output.extra_fields["reward_extra_info"] == {"f1": 1.0, "em": 1.0}
+    wrong = _run(tokenizer, FakeServer(_script(tokenizer, ["Nowhere", row["reward_model"]["ground_truth"][1][0]])),
+                 row)
+    assert wrong.reward_score == 0.5 and wrong.extra_fields["reward_extra_info"]["em"] == 0.5
+
+
+def test_config_overrides_prompts_and_refuses_unknown_keys(tokenizer):
+    cfg = MemoryAgentConfig.from_mapping(OmegaConf.create({"memory_tokens": 7, "prompts": {"memory_header": "Notes:"}}))
+    assert cfg.memory_tokens == 7 and cfg.prompts.memory_header == "Notes:" and cfg.answer_tokens == 64
+    with pytest.raises(ValueError, match=r"unknown keys \['memory_budget'\]"):
+        MemoryAgentConfig.from_mapping({"memory_budget": 3})
+    with pytest.raises(ValueError, match=r"prompts: unknown keys \['header'\]"):
+        MemoryAgentConfig.from_mapping({"prompts": {"header": "x"}})
+    with pytest.raises(ValueError, match="memory_tokens must be >= 1"):
+        MemoryAgentConfig(memory_tokens=0)
+    server = FakeServer(_script(tokenizer, ["a", "b"]))
+    _run(tokenizer, server, _row(), _config(prompts={"memory_header": "Notes:"}))
+    assert tokenizer.decode(server.requests[0]["prompt_ids"]).count("Notes:\n(empty)") == 1
+
+
+def test_malformed_row_fails_naming_the_row(tokenizer):
+    row = _row()
+    row["extra_info"]["chunks"][1] = ""
+    with pytest.raises(ValueError, match=r"row 3 \(val-3\): extra_info.chunks\[1\] is empty"):
+        _run(tokenizer, FakeServer(_script(tokenizer, ["a", "b"])), row)
+
+
+@pytest.mark.parametrize("case,error,match", [
+    ("no_logprobs", RuntimeError, "calculate_log_probs=True"),
+    ("unknown_stop", RuntimeError, "not a stop id"),
+    ("short_response_length", ValueError, "response_length >= "),
+])
+def test_rollout_problems_fail_loudly(tokenizer, case, error, match):
+    row = _row()
+    server = FakeServer(_script(tokenizer, ["a", "b"]), with_logprobs=case != "no_logprobs")
+    if case == "unknown_stop":  # the model stopped early on a token the agent does not know as a stop id
+        server.script = lambda t, prompt, max_tokens: _filler(prompt, 3)
+    config = _config()
+    if case == "short_response_length":
+        config.actor_rollout_ref.rollout.response_length = 100
+    with pytest.raises(error, match=match):
+        _run(tokenizer, server, row, config)

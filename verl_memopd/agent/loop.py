@@ -1,0 +1,173 @@
+"""The memory agent loop, registered with verl's agent-loop registry as ``memopd_memory_agent``.
+
+One episode = one dataset row (see ``verl_memopd.tasks.dataset``) with N chunks::
+
+    for t in 0..N-1:  a_t = model([q | memory | chunk_t])   memory := a_t minus its stop token
+    final:            a_N = model([q | memory])              answer lines "k: <answer>"
+
+Each call's exact input ids, sampled ids and rollout log-probs become a
+``records.Invocation`` (memory calls set ``memory_span``; a call that hit its token budget
+without a stop token has ``finish_reason="length"`` and its memory is the truncated text);
+the episode becomes a ``records.Episode`` and goes to verl as ONE row via
+``packing.pack_episode``: ``prompt = q``, ``response`` = the call blocks, ``response_mask`` =
+m_act, ``response_logprobs`` = the rollout log-probs (0.0 on context tokens).
+
+Reward: the loop scores the decoded text of its final call itself (SQuAD F1 against the
+row's answer aliases, ``tasks.reward.score_answers``) and sets ``reward_score`` (verl then
+skips its reward manager for the row and writes it at the last response token).
+
+``extra_fields`` (read by the MemOPD trainer; verl carries them through unchanged, and its
+own ``position_ids`` -- recomputed as 0..L-1 -- are NOT the restored ones):
+
+    memopd_episode       Episode.to_dict(): every invocation's exact ids, log-probs, masks
+    memopd_position_ids  list[int] (P + R,) restored positions (each call block continues from P)
+    memopd_segment_ids   list[int] (P + R,) 0 for q, t + 1 for the tokens of call t
+    memopd_teacher_mask  list[int] (R,) 1 where the teacher supervises (m_T <= m_act)
+    reward_extra_info    {"f1": float, "em": float} (verl logs these per data source)
+
+Config (``memopd.agent`` in the trainer config; every key optional, defaults below):
+``memory_tokens`` (256) token budget of a memory call; ``answer_tokens`` (64) of the answer
+call; ``stop_token_ids`` ([]) stop ids besides the tokenizer's eos -- add the model's
+generation-config eos ids when they differ; ``prompts`` ({}) overrides of ``MemoryPrompts``
+fields. Rollout requirements: ``actor_rollout_ref.rollout.calculate_log_probs=True``;
+``prompt_length`` >= |q| and ``response_length`` >= the packed response (both checked).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping, Optional
+from uuid import uuid4
+
+from omegaconf import OmegaConf
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
+
+from verl_memopd.agent.context import CallContext
+from verl_memopd.packing import pack_episode
+from verl_memopd.records import Episode, Invocation
+from verl_memopd.tasks.dataset import AGENT_NAME, TaskRow, parse_row
+from verl_memopd.tasks.prompts import MemoryPrompts, parse_answers
+from verl_memopd.tasks.reward import score_answers
+
+__all__ = ["MemoryAgentConfig", "MemoryAgentLoop", "EXTRA_EPISODE", "EXTRA_POSITION_IDS", "EXTRA_SEGMENT_IDS",
+           "EXTRA_TEACHER_MASK"]
+
+EXTRA_EPISODE = "memopd_episode"
+EXTRA_POSITION_IDS = "memopd_position_ids"
+EXTRA_SEGMENT_IDS = "memopd_segment_ids"
+EXTRA_TEACHER_MASK = "memopd_teacher_mask"
+
+
+@dataclass(frozen=True)
+class MemoryAgentConfig:
+    """Mirror of ``memopd.agent`` (see module docstring)."""
+
+    memory_tokens: int = 256
+    answer_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    prompts: MemoryPrompts = field(default_factory=MemoryPrompts)
+
+    def __post_init__(self) -> None:
+        for name in ("memory_tokens", "answer_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"memopd.agent.{name} must be >= 1, got {getattr(self, name)}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
+
+    @classmethod
+    def from_mapping(cls, cfg: Optional[Mapping]) -> "MemoryAgentConfig":
+        """Build from a (possibly OmegaConf) mapping; unknown keys are refused by name."""
+        raw = dict(OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else (cfg or {}))
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"memopd.agent: unknown keys {unknown}; valid: {sorted(known)}")
+        prompt_keys = {f.name for f in fields(MemoryPrompts)}
+        bad = sorted(set(raw.get("prompts") or {}) - prompt_keys)
+        if bad:
+            raise ValueError(f"memopd.agent.prompts: unknown keys {bad}; valid: {sorted(prompt_keys)}")
+        return cls(**{**raw, "prompts": MemoryPrompts(**(raw.get("prompts") or {}))})
+
+
+@register(AGENT_NAME)
+class MemoryAgentLoop(AgentLoopBase):
+    """N memory calls over the row's chunks, then one answer call; one packed row out."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.agent_config = MemoryAgentConfig.from_mapping(self.config.get("memopd", {}).get("agent"))
+        eos = self.tokenizer.eos_token_id
+        self.stop_ids = frozenset(self.agent_config.stop_token_ids) | ({eos} if eos is not None else set())
+        if not self.stop_ids:
+            raise ValueError("memory agent: the tokenizer has no eos token and memopd.agent.stop_token_ids is empty")
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        task = parse_row(kwargs.get("extra_info"), kwargs.get("reward_model"))
+        ctx = CallContext(self.tokenizer, kwargs["raw_prompt"], self.agent_config.prompts,
+                          self.apply_chat_template_kwargs, where=task.where)
+        request_id, calls, t0 = uuid4().hex, [], time.perf_counter()
+        memory: tuple[int, ...] = ()
+        for t, chunk in enumerate(task.chunks):
+            context = ctx.memory_call(memory, chunk, t, len(task.chunks))
+            calls.append(await self._call(request_id, ctx.prefix_ids + context, self.agent_config.memory_tokens,
+                                          sampling_params, keeps_memory=True, where=f"{task.where} call {t}"))
+            memory = calls[-1].memory_ids
+        calls.append(await self._call(request_id, ctx.prefix_ids + ctx.answer_call(memory),
+                                      self.agent_config.answer_tokens, sampling_params, keeps_memory=False,
+                                      where=f"{task.where} call {len(task.chunks)}"))
+        generate_s = time.perf_counter() - t0
+        return self._output(task, kwargs, ctx.prefix_ids, calls, generate_s)
+
+    async def _call(self, request_id: str, prompt_ids: tuple[int, ...], budget: int, sampling_params: dict,
+                    keeps_memory: bool, where: str) -> Invocation:
+        """One model call with at most ``budget`` new tokens, recorded exactly as sent and returned."""
+        params = {**sampling_params, "max_tokens": budget, "stop_token_ids": sorted(self.stop_ids)}
+        out = await self.server_manager.generate(request_id=request_id, prompt_ids=list(prompt_ids),
+                                                 sampling_params=params)
+        ids = list(out.token_ids)
+        if not ids:
+            raise RuntimeError(f"{where}: the server returned no tokens (stop_reason={out.stop_reason!r})")
+        if out.log_probs is None:
+            raise RuntimeError(f"{where}: no rollout log-probs; set actor_rollout_ref.rollout.calculate_log_probs=True")
+        stopped = ids[-1] in self.stop_ids
+        max_model_len = self.rollout_config.get("max_model_len")  # the server clamps new tokens to it
+        limit = budget if not max_model_len else min(budget, max_model_len - len(prompt_ids))
+        if len(ids) > budget or (not stopped and len(ids) < limit):
+            raise RuntimeError(
+                f"{where}: {len(ids)} tokens for a budget of {budget}, ending in token {ids[-1]} which is not a "
+                f"stop id {sorted(self.stop_ids)}; add the model's stop ids to memopd.agent.stop_token_ids"
+            )
+        end = len(ids) - 1 if stopped else len(ids)
+        return Invocation(prompt_ids=prompt_ids, response_ids=tuple(ids), response_logprobs=tuple(out.log_probs),
+                          memory_span=(0, end) if keeps_memory else None,
+                          finish_reason="stop" if stopped else "length")
+
+    def _output(self, task: TaskRow, kwargs: dict, prefix_ids: tuple[int, ...], calls: list[Invocation],
+                generate_s: float) -> AgentLoopOutput:
+        final = calls[-1]
+        answer_ids = final.response_ids[:-1] if final.finish_reason == "stop" else final.response_ids
+        answer_text = self.tokenizer.decode(answer_ids, skip_special_tokens=True)
+        score = score_answers(parse_answers(answer_text, len(task.answer_sets)), task.answer_sets)
+        episode = Episode(
+            episode_id=uuid4().hex, uid=str(kwargs.get("uid", task.where)), prefix_ids=prefix_ids,
+            invocations=tuple(calls), reward=score.f1,
+            extra={"where": task.where, "data_source": str(kwargs.get("data_source", "")), "answer": answer_text,
+                   "f1": score.f1, "em": score.em},
+        )
+        row = pack_episode(episode)
+        for name, n, limit in (("prompt_length", len(row.prompt_ids), self.rollout_config.prompt_length),
+                               ("response_length", len(row.response_ids), self.rollout_config.response_length)):
+            if n > limit:
+                raise ValueError(f"{task.where}: packed episode needs actor_rollout_ref.rollout.{name} >= {n} "
+                                 f"(is {limit}); the row cannot be truncated without breaking its calls")
+        return AgentLoopOutput(
+            prompt_ids=list(row.prompt_ids), response_ids=list(row.response_ids),
+            response_mask=list(row.response_mask), response_logprobs=list(row.response_logprobs),
+            reward_score=score.f1, num_turns=2 * len(calls),
+            metrics={"generate_sequences": generate_s},
+            extra_fields={
+                EXTRA_EPISODE: episode.to_dict(), EXTRA_POSITION_IDS: list(row.position_ids),
+                EXTRA_SEGMENT_IDS: list(row.segment_ids), EXTRA_TEACHER_MASK: list(row.teacher_mask),
+                "reward_extra_info": {"f1": score.f1, "em": score.em},
+            },
+        )
