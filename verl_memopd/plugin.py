@@ -1,0 +1,44 @@
+"""What verl's ``verl.plugins`` entry point loads: registrations, nothing else.
+
+verl imports every ``verl.plugins`` entry point in every process that imports verl (driver,
+TaskRunner, workers) and logs failures only at DEBUG level, so :func:`registered` exists for
+tests and start-up checks to assert that everything below is in place.
+"""
+
+from __future__ import annotations
+
+import os
+
+from verl.plugin.platform import PlatformRegistry
+
+from verl_memopd.platform.cpu import PlatformCPU
+from verl_memopd.platform.patches import apply_verl_cpu_patches
+
+PlatformRegistry.register(platform="cpu")(PlatformCPU)
+if os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu":
+    apply_verl_cpu_patches()
+
+
+def _register_cpu_engines() -> None:
+    """Make verl's FSDP engines (actor/ref and critic) available on the ``cpu`` device."""
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+
+    for model_type, engine_cls in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
+        for backend in ("fsdp", "fsdp2"):
+            if "cpu" not in EngineRegistry._engines.get(model_type, {}).get(backend, {}):
+                EngineRegistry.register(model_type=model_type, backend=backend, device="cpu")(engine_cls)
+
+
+_register_cpu_engines()
+
+
+def registered() -> dict[str, bool]:
+    """Which of our registrations are live in this process (for tests and start-up checks)."""
+    from verl.workers.engine.base import EngineRegistry
+
+    return {
+        "platform:cpu": PlatformRegistry.get("cpu") is PlatformCPU,
+        "engine:language_model/fsdp2/cpu": "cpu" in EngineRegistry._engines["language_model"]["fsdp2"],
+        "engine:value_model/fsdp2/cpu": "cpu" in EngineRegistry._engines["value_model"]["fsdp2"],
+    }
