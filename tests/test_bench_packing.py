@@ -3,6 +3,7 @@
 import re
 
 import pytest
+import torch
 
 from verl_memopd.bench import __main__ as bench
 from verl_memopd.bench.packing import layout_work
@@ -37,7 +38,8 @@ def test_dispatcher_lists_benchmarks_for_an_unknown_name(capsys):
 
 
 def test_packing_benchmark_ends_with_the_issue_line(capsys):
-    assert bench.main(["packing", "--episodes", "1", "--warmup", "0", "--repeats", "1"]) == 0
+    threads = str(torch.get_num_threads())  # keep this process's setting
+    assert bench.main(["packing", "--episodes", "1", "--warmup", "0", "--repeats", "1", "--threads", threads]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     m = re.fullmatch(r"packing speedup_vs_per_call=(\S+) ideal=(\S+) efficiency=(\S+)", last)
     x, y, efficiency = (float(g) for g in m.groups())

@@ -115,20 +115,23 @@ def _hf_attention(backend: str) -> Callable:
 @register_backend("torch")
 def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SegmentMeta, scale: float,
                      dropout: float) -> torch.Tensor:
-    """Reference: one SDPA per segment; keys/values repeated per query-head group (GQA)."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    """Reference: one SDPA per segment (``split`` views, so backward concatenates instead of scattering)."""
+    lq = [qb - qa for qa, qb, _, _ in meta.bounds]
+    lk = [kb - ka for _, _, ka, kb in meta.bounds]
+    gqa = q.shape[1] != k.shape[1]
     masks: dict[tuple[int, int], torch.Tensor] = {}
     outs = []
-    for qa, qb, ka, kb in meta.bounds:
-        lq, lk = qb - qa, kb - ka
-        qs, ks, vs = q[qa:qb].transpose(0, 1), k[ka:kb].transpose(0, 1), v[ka:kb].transpose(0, 1)  # (H, L*, D)
-        if lq == lk:  # square: top-left and bottom-right alignment coincide
-            o = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scale)
+    for qs, ks, vs in zip(q.split(lq), k.split(lk), v.split(lk)):
+        qs, ks, vs = qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1)  # (H, L*, D)
+        n, m = qs.shape[1], ks.shape[1]
+        if n == m:  # square: top-left and bottom-right alignment coincide
+            o = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scale,
+                                               enable_gqa=gqa)
         else:
-            if (lq, lk) not in masks:
-                masks[(lq, lk)] = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=masks[(lq, lk)], dropout_p=dropout, scale=scale)
+            if (n, m) not in masks:
+                masks[(n, m)] = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=masks[(n, m)], dropout_p=dropout, scale=scale,
+                                               enable_gqa=gqa)
         outs.append(o.transpose(0, 1))
     return torch.cat(outs)
 

@@ -3,7 +3,8 @@
 Model: the tiny teacher architecture (``tiny.teacher_config``: 4 layers, hidden 256, 8 heads,
 4 KV heads, SwiGLU 512), random weights. Episodes: a shared prefix ``q`` 2-4x the mean call block
 (``SHAPE``). One step = forward of the whole batch, full-vocabulary log-probs at the action
-tokens, backward of their sum. Each variant gets warm-up steps, then the median of timed steps::
+tokens, backward of their sum. Variants are timed round-robin (warm-up rounds, then the median
+of timed rounds), single-threaded by default::
 
     python -m verl_memopd.bench packing
     ...
@@ -60,21 +61,34 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step_seconds(model: torch.nn.Module, layout: BatchLayout, warmup: int, repeats: int) -> float:
-    """Median wall time of forward + action log-probs + backward over ``repeats`` steps."""
+def _step(model: torch.nn.Module, layout: BatchLayout, impl: str) -> float:
+    """Wall time of one forward + full-vocabulary action log-probs + backward under ``impl``."""
     device = model.get_input_embeddings().weight.device
-    targets = layout.action_ids.to(device)
-    times = []
-    for step in range(warmup + repeats):
+    with attention_implementation(model, impl):
         model.zero_grad(set_to_none=True)
         _sync(device)
         start = time.perf_counter()
-        logprobs = torch.log_softmax(forward_layout(model, layout).float(), -1).gather(1, targets.unsqueeze(1))
+        logits = forward_layout(model, layout).float()
+        logprobs = torch.log_softmax(logits, -1).gather(1, layout.action_ids.to(device).unsqueeze(1))
         logprobs.sum().backward()
         _sync(device)
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return time.perf_counter() - start
+
+
+def step_seconds(model: torch.nn.Module, variants: dict[str, tuple[BatchLayout, str]], warmup: int,
+                 repeats: int) -> dict[str, float]:
+    """Median step time per variant ``name -> (layout, attention implementation)``.
+
+    Variants are timed round-robin (one step each per round), so load changes on a shared machine
+    hit all of them alike; the first ``warmup`` rounds are not timed.
+    """
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for round_ in range(warmup + repeats):
+        for name, (layout, impl) in variants.items():
+            seconds = _step(model, layout, impl)
+            if round_ >= warmup:
+                times[name].append(seconds)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _timed(build: Callable[[], BatchLayout]) -> tuple[BatchLayout, float]:
@@ -92,14 +106,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--backend", default="torch", choices=sorted(BACKENDS), help="packed attention backend")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for torch (default 1: on a shared CPU, several threads per op make small "
+                        "ops wait on each other and distort the ratios)")
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 0 or args.episodes < 1:
-        p.error("--episodes and --repeats must be >= 1, --warmup >= 0")
+    if min(args.repeats, args.episodes, args.threads) < 1 or args.warmup < 0:
+        p.error("--episodes, --repeats and --threads must be >= 1, --warmup >= 0")
 
     from transformers import Qwen2ForCausalLM
 
     from verl_memopd.tiny import teacher_config
 
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     config = teacher_config()
     model = Qwen2ForCausalLM(config).to(args.device, getattr(torch, args.dtype)).train()
@@ -114,12 +132,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"per_call varlen {varlen.input_ids.numel()}, padded {padded.input_ids.numel()}; "
           f"{packed.action_index.numel()} action tokens; packed layout built in {build_s * 1e3:.1f} ms")
 
-    seconds = {}
-    with attention_implementation(model, "sdpa"):
-        seconds["per_call_padded"] = step_seconds(model, padded, args.warmup, args.repeats)
-    with attention_implementation(model, hf_name(args.backend)):
-        seconds["per_call_varlen"] = step_seconds(model, varlen, args.warmup, args.repeats)
-        seconds["packed"] = step_seconds(model, packed, args.warmup, args.repeats)
+    seconds = step_seconds(model, {
+        "per_call_padded": (padded, "sdpa"),
+        "per_call_varlen": (varlen, hf_name(args.backend)),
+        "packed": (packed, hf_name(args.backend)),
+    }, args.warmup, args.repeats)
     for name, s in seconds.items():
         print(f"packing: {name:16s} median step {s * 1e3:8.1f} ms  speed-up of packed {s / seconds['packed']:.3f}x")
     speedup = min(seconds["per_call_padded"], seconds["per_call_varlen"]) / seconds["packed"]
