@@ -236,3 +236,177 @@ def test_rollout_problems_fail_loudly(tokenizer, case, error, match):
         config.actor_rollout_ref.rollout.response_length = 100
     with pytest.raises(error, match=match):
         _run(tokenizer, server, row, config)
+
+
+# --- real vLLM CPU rollouts through verl's own server (slow) --------------------------------
+# The rollout runs in a subprocess (this file's __main__ block): verl resolves its platform once
+# per process and vLLM/Ray want a clean process, so VERL_PLATFORM=cpu is set before verl loads.
+# It needs the lead's foundations: verl_memopd.tiny (tiny model) and the CPU platform plugin.
+VLLM_BUDGETS = {"memory_tokens": 24, "answer_tokens": 16}
+VLLM_EPISODES = 6
+
+
+def _vllm_rollout(model: str, out: str) -> None:
+    """Start verl's standalone vLLM server on the tiny model; run episodes; dump records + requests."""
+    import copy
+    import json
+    import os
+    import time
+
+    import ray
+    from hydra import compose, initialize_config_dir
+    from transformers import AutoTokenizer
+
+    import verl
+    from verl.workers.rollout.llm_server import LLMServerManager
+
+    overrides = [f"actor_rollout_ref.rollout.{k}" for k in (
+        "name=vllm", "mode=async", "enforce_eager=True", "dtype=float32", "max_model_len=1024", "max_num_seqs=8",
+        "max_num_batched_tokens=1024", "prompt_length=256", "response_length=2048", "calculate_log_probs=True",
+        "load_format=auto", "free_cache_engine=False", "tensor_model_parallel_size=1", "nnodes=1")]
+    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer/config"),
+                               version_base=None):
+        config = compose(config_name="ppo_trainer", overrides=overrides + [
+            f"actor_rollout_ref.model.path={model}", "+actor_rollout_ref.rollout.enable_sleep_mode=False",
+            "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.device=cpu",
+            *(f"+memopd.agent.{k}={v}" for k, v in VLLM_BUDGETS.items())])
+    env = {k: os.environ[k] for k in ("VERL_PLATFORM", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE",
+                                      "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM")}
+    ray.init(num_cpus=8, num_gpus=1, runtime_env={"env_vars": env})
+    try:
+        t0 = time.perf_counter()
+        manager = LLMServerManager.create(config=config, worker_group=None, rollout_resource_pool=None)  # auto_await
+        startup_s = time.perf_counter() - t0
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        rows = [_row(i) for i in range(VLLM_EPISODES)]
+        stop_ids = list(range(3, len(tokenizer), 4))  # many stop ids: forces early "stop" calls on a random model
+        runs = {}
+        for name, agent in (("warmup", {}), ("eos", {}), ("many_stops", {"stop_token_ids": stop_ids})):
+            cfg = copy.deepcopy(config)
+            cfg.memopd.agent = {**VLLM_BUDGETS, **agent}
+            server = RecordingClient(manager.get_client())
+            t0 = time.perf_counter()
+            outputs = asyncio.run(_episodes(tokenizer, server, rows, cfg))
+            runs[name] = {"seconds": time.perf_counter() - t0, "requests": server.requests, "stop_ids": stop_ids,
+                          "episodes": [o.extra_fields[EXTRA_EPISODE] for o in outputs]}
+    finally:
+        ray.shutdown()
+    with open(out, "w") as f:
+        json.dump({"startup_s": startup_s, "eos_id": tokenizer.eos_token_id, "runs": runs}, f)
+
+
+class RecordingClient:
+    """Wraps verl's LLMServerClient and records what was sent to and returned by the server."""
+
+    def __init__(self, client):
+        self.client, self.requests = client, []
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        out = await self.client.generate(request_id, prompt_ids=list(prompt_ids),
+                                         sampling_params=dict(sampling_params), **kwargs)
+        self.requests.append({"request_id": request_id, "prompt_ids": list(prompt_ids),
+                              "sampling_params": dict(sampling_params), "token_ids": list(out.token_ids),
+                              "log_probs": list(out.log_probs)})
+        return out
+
+
+async def _episodes(tokenizer, server, rows, config):
+    async def one(row):
+        loop = hydra.utils.instantiate(
+            _agent_loop_registry[AGENT_NAME], trainer_config=DictConfigWrap(config), server_manager=server,
+            tokenizer=tokenizer, processor=None, dataset_cls=RLHFDataset, data_config=DictConfigWrap(config.data))
+        return await loop.run(dict(SAMPLING), raw_prompt=row["prompt"], extra_info=row["extra_info"],
+                              reward_model=row["reward_model"], data_source=row["data_source"], uid=row["data_source"])
+    return await asyncio.gather(*[one(row) for row in rows])
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(tmp_path_factory):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from verl_memopd.tiny import build
+
+    tmp = tmp_path_factory.mktemp("vllm")
+    model = str(build(tmp / "tiny", seed=0).student)
+    env = {**os.environ, "VERL_PLATFORM": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled",
+           "RAY_TMPDIR": str(tmp / "ray"), "VLLM_CACHE_ROOT": str(tmp / "vllm"), "HF_HOME": str(tmp / "hf")}
+    out = tmp / "runs.json"
+    proc = subprocess.run([sys.executable, __file__, model, str(out)], env=env, cwd=tmp, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return model, json.loads(out.read_text())
+
+
+def _by_request(run):
+    grouped = {}
+    for r in run["requests"]:
+        grouped.setdefault(r["request_id"], []).append(r)
+    return list(grouped.values())
+
+
+@pytest.mark.slow
+def test_vllm_records_match_the_server_and_budgets_hold(vllm_runs):
+    _, data = vllm_runs
+    for name, run in data["runs"].items():
+        episodes = [Episode.from_dict(e) for e in run["episodes"]]
+        requests = _by_request(run)
+        assert len(episodes) == len(requests) == VLLM_EPISODES
+        stop = set(run["stop_ids"]) if name == "many_stops" else set()
+        for episode in episodes:  # match each episode to its session by the first prompt
+            session = next(s for s in requests if s[0]["prompt_ids"] == list(episode.invocations[0].prompt_ids))
+            assert len(session) == len(episode.invocations)
+            for t, (inv, req) in enumerate(zip(episode.invocations, session)):
+                assert list(inv.prompt_ids) == req["prompt_ids"] and list(inv.response_ids) == req["token_ids"]
+                assert list(inv.response_logprobs) == pytest.approx(req["log_probs"], abs=1e-6)
+                budget = VLLM_BUDGETS["answer_tokens" if t == len(session) - 1 else "memory_tokens"]
+                assert req["sampling_params"]["max_tokens"] == budget and len(inv.response_ids) <= budget
+                if inv.finish_reason == "length":
+                    assert len(inv.response_ids) == budget
+                else:  # vLLM returns the stop token itself; memory excludes it
+                    assert inv.response_ids[-1] in stop | {data["eos_id"]}
+                    assert inv.memory_span in (None, (0, len(inv.response_ids) - 1))
+            pack_episode(episode)
+        if name == "many_stops":
+            assert sum(i.finish_reason == "stop" for e in episodes for i in e.invocations) > 0
+
+
+@pytest.mark.slow
+def test_vllm_rollout_logprobs_are_the_models_logprobs_of_the_recorded_state(vllm_runs):
+    """Scoring each recorded call alone with Hugging Face reproduces vLLM's rollout log-probs (fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_path, data = vllm_runs
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    episode = Episode.from_dict(data["runs"]["many_stops"]["episodes"][0])
+    for inv in episode.invocations:
+        ids = torch.tensor([inv.prompt_ids + inv.response_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(inv.prompt_ids) - 1:-1]
+        hf = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(inv.response_ids)[:, None])[:, 0]
+        assert torch.allclose(hf, torch.tensor(inv.response_logprobs), atol=1e-3), (hf - torch.tensor(
+            inv.response_logprobs)).abs().max()
+
+
+@pytest.mark.slow
+def test_vllm_rollout_throughput(vllm_runs, capsys):
+    _, data = vllm_runs
+    run = data["runs"]["eos"]  # the second pass over the same rows (the first one warms the server up)
+    episodes = [Episode.from_dict(e) for e in run["episodes"]]
+    sampled = sum(len(i.response_ids) for e in episodes for i in e.invocations)
+    prompt = sum(len(i.prompt_ids) for e in episodes for i in e.invocations)
+    with capsys.disabled():
+        print(f"\nvLLM CPU rollout (tiny preset, {len(episodes)} episodes, {len(episodes[0].invocations)} calls each): "
+              f"server start {data['startup_s']:.0f}s; {len(episodes) / run['seconds']:.2f} episodes/s, "
+              f"{sampled / run['seconds']:.0f} sampled tok/s, {prompt / run['seconds']:.0f} prompt tok/s")
+    assert sampled > 0 and all(0.0 <= e.reward <= 1.0 for e in episodes)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _vllm_rollout(*sys.argv[1:3])
