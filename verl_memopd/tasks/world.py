@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import random
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -40,13 +41,15 @@ class Relation:
     object_type: str
     template: str  # "{s} lives in {o}."
 
+    pattern: re.Pattern = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        head, tail = self.template.split("{s}")[1].split("{o}")
+        object.__setattr__(self, "pattern", re.compile(
+            r"(?P<s>[A-Z][\w ]*?)" + re.escape(head) + r"(?P<o>[\w ]+?)" + re.escape(tail)))
+
     def sentence(self, subject: str, obj: str) -> str:
         return self.template.format(s=subject, o=obj)
-
-    @property
-    def pattern(self) -> re.Pattern:
-        head, tail = self.template.split("{s}")[1].split("{o}")
-        return re.compile(r"^(?P<s>[A-Z][\w ]*?)" + re.escape(head) + r"(?P<o>[\w ]+?)" + re.escape(tail) + "$")
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,8 @@ class Vocabulary:
             if len(self.pools.get(t, ())) < 2:
                 raise ValueError(f"vocabulary {self.name!r}: pool {t!r} needs at least 2 names")
         for t, pool in self.pools.items():
-            lone = [a for a in pool if not any(looks_alike(a, b) for b in pool)]
+            keys = Counter(k for name in set(pool) for k in _alike_keys(name))
+            lone = [name for name in pool if all(keys[k] < 2 for k in _alike_keys(name))]
             if lone:
                 raise ValueError(f"vocabulary {self.name!r}: pool {t!r} names without a look-alike: {lone}")
         for s in self.filler:
@@ -209,7 +213,7 @@ class Fact:
 def parse_fact(sentence: str) -> Fact | None:
     """The fact a sentence states, or None if it is not a fact sentence (e.g. filler)."""
     for rel in RELATIONS.values():
-        m = rel.pattern.match(sentence.strip())
+        m = rel.pattern.fullmatch(sentence.strip())
         if m:
             return Fact(m.group("s"), rel.name, m.group("o"))
     return None
@@ -224,10 +228,13 @@ def parse_question(text: str) -> tuple[QuestionKind, str] | None:
     return None
 
 
+def _alike_keys(name: str) -> set[tuple[str, str]]:
+    return {("word", w) for w in name.split()} | {("head", name.lower()[:2]), ("tail", name.lower()[-3:])}
+
+
 def looks_alike(a: str, b: str) -> bool:
     """True for two different names sharing a word, their first two or their last three letters."""
-    a_, b_ = a.lower(), b.lower()
-    return a != b and (bool(set(a.split()) & set(b.split())) or a_[:2] == b_[:2] or a_[-3:] == b_[-3:])
+    return a != b and bool(_alike_keys(a) & _alike_keys(b))
 
 
 @dataclass
