@@ -7,6 +7,7 @@ its extra fields are what verl and the MemOPD trainer consume.
 """
 
 import asyncio
+import copy
 
 import hydra
 import pytest
@@ -17,6 +18,7 @@ from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 from verl.workers.rollout.replica import TokenOutput
 
 from verl_memopd.agent import MemoryAgentConfig
+from verl_memopd.agent.context import CallContext
 from verl_memopd.agent.loop import EXTRA_EPISODE, EXTRA_POSITION_IDS, EXTRA_SEGMENT_IDS, EXTRA_TEACHER_MASK
 from verl_memopd.packing import pack_episode
 from verl_memopd.records import Episode
@@ -119,6 +121,31 @@ def episode_run(tokenizer):
     server = FakeServer(_script(tokenizer, [a[0] for a in row["reward_model"]["ground_truth"]]))
     output = _run(tokenizer, server, row)
     return row, server, output, Episode.from_dict(output.extra_fields[EXTRA_EPISODE])
+
+
+QWEN_LIKE = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+             "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+             "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' + (think or '') }}{% endif %}")
+BROKEN = CHATML + "{% if not add_generation_prompt %}[END]{% endif %}"
+
+
+def _context(tokenizer, template, **kwargs):
+    tok = copy.copy(tokenizer)
+    tok.chat_template = template
+    return CallContext(tok, _row()["prompt"], MemoryPrompts(), kwargs, where="row 3 (val-3)")
+
+
+def test_call_context_keeps_the_templates_system_prompt_and_kwargs_in_q(tokenizer):
+    ctx = _context(tokenizer, QWEN_LIKE, think="<think></think>")
+    assert tokenizer.decode(ctx.prefix_ids).startswith("<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user")
+    x = ctx.memory_call([5, 6, 7], "Orin is located in Sarnia.", 0, 3)
+    assert tokenizer.decode(x).endswith("<|im_start|>assistant\n<think></think>")
+    assert tokenizer.decode(ctx.answer_call(())).count(MemoryPrompts().empty_memory) == 1
+
+
+def test_call_context_refuses_a_template_that_changes_q(tokenizer):
+    with pytest.raises(ValueError, match=r"row 3 \(val-3\): the chat template renders the prompt differently"):
+        _context(tokenizer, BROKEN).memory_call((), "chunk", 0, 1)
 
 
 def test_records_reproduce_exactly_what_the_server_received_and_returned(episode_run):

@@ -43,6 +43,17 @@ def test_corpus_yields_n_deterministic_samples_with_benchmark_text():
         assert prompts.write_instruction in text and prompts.answer_instruction in text
 
 
+def test_corpus_is_identical_across_processes_and_hash_seeds():
+    import subprocess
+    import sys
+
+    code = ("import hashlib; from verl_memopd.tasks.generator import corpus; "
+            "print(hashlib.sha256(''.join(corpus(8, 0, presets=('tiny', 'small'))).encode()).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", code], env={"PYTHONHASHSEED": seed}, capture_output=True,
+                              text=True, check=True).stdout for seed in ("1", "2")}
+    assert len(digests) == 1
+
+
 @pytest.mark.parametrize("n_chunks,n_questions", [(1, 1), (5, 3)])
 def test_knobs_n_chunks_and_n_questions(n_chunks, n_questions):
     cfg = replace(TINY, n_chunks=n_chunks, n_questions=n_questions)
