@@ -268,14 +268,13 @@ def test_rollout_problems_fail_loudly(tokenizer, case, error, match):
 # --- real vLLM CPU rollouts through verl's own server (slow) --------------------------------
 # The rollout runs in a subprocess (this file's __main__ block): verl resolves its platform once
 # per process and vLLM/Ray want a clean process, so VERL_PLATFORM=cpu is set before verl loads.
-# It needs the lead's foundations: verl_memopd.tiny (tiny model) and the CPU platform plugin.
+# It runs on the CPU platform (``+profile=cpu``, ``verl_runs.launcher.cpu_env``) with the tiny student.
 VLLM_BUDGETS = {"memory_tokens": 24, "answer_tokens": 16}
 VLLM_EPISODES = 6
 
 
 def _vllm_rollout(model: str, out: str) -> None:
     """Start verl's standalone vLLM server on the tiny model; run episodes; dump records + requests."""
-    import copy
     import json
     import os
     import time
@@ -288,18 +287,17 @@ def _vllm_rollout(model: str, out: str) -> None:
     from verl.workers.rollout.llm_server import LLMServerManager
 
     overrides = [f"actor_rollout_ref.rollout.{k}" for k in (
-        "name=vllm", "mode=async", "enforce_eager=True", "dtype=float32", "max_model_len=1024", "max_num_seqs=8",
-        "max_num_batched_tokens=1024", "prompt_length=256", "response_length=2048", "calculate_log_probs=True",
-        "load_format=auto", "free_cache_engine=False", "tensor_model_parallel_size=1", "nnodes=1")]
+        "max_model_len=1024", "max_num_seqs=8", "max_num_batched_tokens=1024", "prompt_length=256",
+        "response_length=2048", "load_format=auto", "nnodes=1")]  # load_format: no trainer pushes weights
     with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer/config"),
                                version_base=None):
         config = compose(config_name="ppo_trainer", overrides=overrides + [
-            f"actor_rollout_ref.model.path={model}", "+actor_rollout_ref.rollout.enable_sleep_mode=False",
-            "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.device=cpu",
+            "+profile=cpu", f"actor_rollout_ref.model.path={model}",
             *(f"+memopd.agent.{k}={v}" for k, v in VLLM_BUDGETS.items())])
     env = {k: os.environ[k] for k in ("VERL_PLATFORM", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE",
                                       "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM")}
-    ray.init(num_cpus=8, num_gpus=1, runtime_env={"env_vars": env})
+    ray_init = {k: v for k, v in OmegaConf.to_container(config.ray_kwargs.ray_init).items() if v is not None}
+    ray.init(**{**ray_init, "runtime_env": {"env_vars": env}})
     try:
         t0 = time.perf_counter()
         manager = LLMServerManager.create(config=config, worker_group=None, rollout_resource_pool=None)  # auto_await
@@ -348,24 +346,19 @@ async def _episodes(tokenizer, server, rows, config):
 
 
 @pytest.fixture(scope="module")
-def vllm_runs(tmp_path_factory):
+def vllm_runs(tiny_models, tmp_path_factory):
     import json
-    import os
     import subprocess
     import sys
 
-    from verl_memopd.tiny import build
+    from verl_runs.launcher import cpu_env
 
     tmp = tmp_path_factory.mktemp("vllm")
-    model = str(build(tmp / "tiny", seed=0).student)
-    env = {**os.environ, "VERL_PLATFORM": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled",
-           "RAY_TMPDIR": str(tmp / "ray"), "VLLM_CACHE_ROOT": str(tmp / "vllm"), "HF_HOME": str(tmp / "hf")}
     out = tmp / "runs.json"
-    proc = subprocess.run([sys.executable, __file__, model, str(out)], env=env, cwd=tmp, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run([sys.executable, __file__, str(tiny_models.student), str(out)], env=cpu_env(tmp), cwd=tmp,
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return model, json.loads(out.read_text())
+    return str(tiny_models.student), json.loads(out.read_text())
 
 
 def _by_request(run):
