@@ -32,12 +32,19 @@ def _register_cpu_engines() -> None:
 
 _register_cpu_engines()
 
+# verl's agent-loop registry: the memory agent (``agent_name: memopd_memory_agent`` in dataset rows)
+import verl_memopd.agent.loop  # noqa: E402,F401  (registers on import)
+
 
 def registered() -> dict[str, bool]:
     """Which of our registrations are live in this process (for tests and start-up checks)."""
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
     from verl.workers.engine.base import EngineRegistry
 
+    from verl_memopd.tasks.dataset import AGENT_NAME
+
     return {
+        f"agent_loop:{AGENT_NAME}": AGENT_NAME in _agent_loop_registry,
         "platform:cpu": PlatformRegistry.get("cpu") is PlatformCPU,
         "engine:language_model/fsdp2/cpu": "cpu" in EngineRegistry._engines["language_model"]["fsdp2"],
         "engine:value_model/fsdp2/cpu": "cpu" in EngineRegistry._engines["value_model"]["fsdp2"],
