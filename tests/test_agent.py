@@ -64,7 +64,9 @@ class FakeServer:
         logprobs = [-0.01 * (t + 1) - 0.001 * i for i in range(len(ids))] if self.with_logprobs else None
         self.requests.append({"request_id": request_id, "prompt_ids": list(prompt_ids),
                               "sampling_params": dict(sampling_params), "token_ids": ids, "log_probs": logprobs})
-        return TokenOutput(token_ids=ids, log_probs=logprobs, stop_reason="completed")
+        step = 3 if t < 2 else 4  # weights were updated between calls 1 and 2 (as verl's client reports it)
+        return TokenOutput(token_ids=ids, log_probs=logprobs, stop_reason="completed",
+                           extra_fields={"min_global_steps": step, "max_global_steps": step})
 
 
 def _filler(prompt, n):
@@ -216,6 +218,12 @@ def test_output_is_the_packed_row_with_documented_extra_fields(episode_run):
     assert td["responses"][0].tolist() == output.response_ids
     assert td["rm_scores"][0][-1].item() == output.reward_score
     assert td["extra_fields"][0][EXTRA_POSITION_IDS] == list(packed.position_ids)
+
+
+def test_weight_versions_become_verls_staleness_tags(episode_run):
+    _, _, output, episode = episode_run
+    assert (output.extra_fields["min_global_steps"], output.extra_fields["max_global_steps"]) == (3, 4)
+    assert episode.extra["weight_steps"] == [[3, 3], [3, 3], [4, 4], [4, 4]]
 
 
 def test_reward_scores_the_final_answer_text(tokenizer, episode_run):
@@ -430,3 +438,35 @@ if __name__ == "__main__":
     import sys
 
     _vllm_rollout(*sys.argv[1:3])
+
+
+@pytest.mark.slow
+def test_memory_agent_rows_train_through_stock_verl_grpo(tiny_models, tmp_path):
+    """2 GRPO steps of stock ``main_ppo`` (V1 trainer, TransferQueue agent loop) on benchmark rows."""
+    from verl_runs.launcher import non_finite, run_main_ppo
+
+    from verl_memopd.tasks.dataset import write_rows
+
+    for split, n in (("train", 8), ("val", 4)):
+        write_rows([_row(i) for i in range(n)], tmp_path / f"{split}.parquet")
+    loops = tmp_path / "agent_loops.yaml"  # registers the loop in verl's workers by import path
+    loops.write_text(f"- name: {AGENT_NAME}\n  _target_: verl_memopd.agent.loop.MemoryAgentLoop\n")
+    rollout = [f"actor_rollout_ref.rollout.{k}" for k in (
+        "n=2", "prompt_length=128", "response_length=1024", "max_model_len=512", "max_num_seqs=8",
+        "max_num_batched_tokens=1024", "log_prob_micro_batch_size_per_gpu=4", f"agent.agent_loop_config_path={loops}")]
+    run = run_main_ppo([
+        "+profile=cpu", "algorithm.adv_estimator=grpo", f"data.train_files={tmp_path / 'train.parquet'}",
+        f"data.val_files={tmp_path / 'val.parquet'}", "data.train_batch_size=2", "data.max_prompt_length=128",
+        "data.max_response_length=1024", f"actor_rollout_ref.model.path={tiny_models.student}", *rollout,
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.use_kl_loss=false", *(f"+memopd.agent.{k}={v}" for k, v in VLLM_BUDGETS.items()),
+        "trainer.total_training_steps=2", "trainer.val_before_train=true", "trainer.test_freq=-1",
+        "trainer.save_freq=-1", "trainer.project_name=memopd_agent", "trainer.experiment_name=grpo_memory_agent",
+    ], tmp_path / "run", 900)
+    assert run.returncode == 0, run.tail()
+    assert sorted(run.steps) == [0, 1, 2], run.tail()
+    calls = get_preset("tiny").config.n_chunks + 1
+    assert run.steps[0]["val-aux/num_turns/mean"] == 2 * calls  # validation ran the memory agent
+    assert 0.0 <= run.steps[0]["val-aux/memopd_memory/tiny/f1/mean@1"] <= 1.0  # our reward_extra_info reached verl
+    for step in (1, 2):
+        assert not non_finite(run.steps[step]), f"step {step}: non-finite {non_finite(run.steps[step])}"

@@ -24,6 +24,8 @@ own ``position_ids`` -- recomputed as 0..L-1 -- are NOT the restored ones):
     memopd_segment_ids   list[int] (P + R,) 0 for q, t + 1 for the tokens of call t
     memopd_teacher_mask  list[int] (R,) 1 where the teacher supervises (m_T <= m_act)
     reward_extra_info    {"f1": float, "em": float} (verl logs these per data source)
+    min_global_steps / max_global_steps   oldest / newest trainer step of the weights that served
+                         any call (verl's off-policy staleness tags; absent if the server reports none)
 
 Config (``memopd.agent`` in the trainer config; every key optional, defaults below):
 ``memory_tokens`` (256) token budget of a memory call; ``answer_tokens`` (64) of the answer
@@ -105,22 +107,30 @@ class MemoryAgentLoop(AgentLoopBase):
         task = parse_row(kwargs.get("extra_info"), kwargs.get("reward_model"))
         ctx = CallContext(self.tokenizer, kwargs["raw_prompt"], self.agent_config.prompts,
                           self.apply_chat_template_kwargs, where=task.where)
-        request_id, calls, t0 = uuid4().hex, [], time.perf_counter()
+        request_id, calls, versions, t0 = uuid4().hex, [], [], time.perf_counter()
         memory: tuple[int, ...] = ()
         for t, chunk in enumerate(task.chunks):
             context = ctx.memory_call(memory, chunk, t, len(task.chunks))
-            calls.append(await self._call(request_id, ctx.prefix_ids + context, self.agent_config.memory_tokens,
-                                          sampling_params, keeps_memory=True, where=f"{task.where} call {t}"))
-            memory = calls[-1].memory_ids
-        calls.append(await self._call(request_id, ctx.prefix_ids + ctx.answer_call(memory),
-                                      self.agent_config.answer_tokens, sampling_params, keeps_memory=False,
-                                      where=f"{task.where} call {len(task.chunks)}"))
+            call, version = await self._call(request_id, ctx.prefix_ids + context, self.agent_config.memory_tokens,
+                                             sampling_params, keeps_memory=True, where=f"{task.where} call {t}")
+            calls.append(call)
+            versions.append(version)
+            memory = call.memory_ids
+        call, version = await self._call(request_id, ctx.prefix_ids + ctx.answer_call(memory),
+                                         self.agent_config.answer_tokens, sampling_params, keeps_memory=False,
+                                         where=f"{task.where} call {len(task.chunks)}")
+        calls.append(call)
+        versions.append(version)
         generate_s = time.perf_counter() - t0
-        return self._output(task, kwargs, ctx.prefix_ids, calls, generate_s)
+        return self._output(task, kwargs, ctx.prefix_ids, calls, versions, generate_s)
 
     async def _call(self, request_id: str, prompt_ids: tuple[int, ...], budget: int, sampling_params: dict,
-                    keeps_memory: bool, where: str) -> Invocation:
-        """One model call with at most ``budget`` new tokens, recorded exactly as sent and returned."""
+                    keeps_memory: bool, where: str) -> tuple[Invocation, tuple[Optional[int], Optional[int]]]:
+        """One model call with at most ``budget`` new tokens, recorded exactly as sent and returned.
+
+        Also returns the ``(min, max)`` trainer step of the weights that served it (verl's server
+        client reports them as ``min_global_steps`` / ``max_global_steps``; None when unknown).
+        """
         params = {**sampling_params, "max_tokens": budget, "stop_token_ids": sorted(self.stop_ids)}
         out = await self.server_manager.generate(request_id=request_id, prompt_ids=list(prompt_ids),
                                                  sampling_params=params)
@@ -138,12 +148,12 @@ class MemoryAgentLoop(AgentLoopBase):
                 f"stop id {sorted(self.stop_ids)}; add the model's stop ids to memopd.agent.stop_token_ids"
             )
         end = len(ids) - 1 if stopped else len(ids)
-        return Invocation(prompt_ids=prompt_ids, response_ids=tuple(ids), response_logprobs=tuple(out.log_probs),
-                          memory_span=(0, end) if keeps_memory else None,
-                          finish_reason="stop" if stopped else "length")
+        call = Invocation(prompt_ids=prompt_ids, response_ids=tuple(ids), response_logprobs=tuple(out.log_probs),
+                          memory_span=(0, end) if keeps_memory else None, finish_reason="stop" if stopped else "length")
+        return call, (out.extra_fields.get("min_global_steps"), out.extra_fields.get("max_global_steps"))
 
     def _output(self, task: TaskRow, kwargs: dict, prefix_ids: tuple[int, ...], calls: list[Invocation],
-                generate_s: float) -> AgentLoopOutput:
+                versions: list[tuple[Optional[int], Optional[int]]], generate_s: float) -> AgentLoopOutput:
         final = calls[-1]
         answer_ids = final.response_ids[:-1] if final.finish_reason == "stop" else final.response_ids
         answer_text = self.tokenizer.decode(answer_ids, skip_special_tokens=True)
@@ -152,7 +162,7 @@ class MemoryAgentLoop(AgentLoopBase):
             episode_id=uuid4().hex, uid=str(kwargs.get("uid", task.where)), prefix_ids=prefix_ids,
             invocations=tuple(calls), reward=score.f1,
             extra={"where": task.where, "data_source": str(kwargs.get("data_source", "")), "answer": answer_text,
-                   "f1": score.f1, "em": score.em},
+                   "f1": score.f1, "em": score.em, "weight_steps": [list(v) for v in versions]},
         )
         row = pack_episode(episode)
         for name, n, limit in (("prompt_length", len(row.prompt_ids), self.rollout_config.prompt_length),
@@ -169,5 +179,12 @@ class MemoryAgentLoop(AgentLoopBase):
                 EXTRA_EPISODE: episode.to_dict(), EXTRA_POSITION_IDS: list(row.position_ids),
                 EXTRA_SEGMENT_IDS: list(row.segment_ids), EXTRA_TEACHER_MASK: list(row.teacher_mask),
                 "reward_extra_info": {"f1": score.f1, "em": score.em},
+                **_weight_steps(versions),
             },
         )
+
+
+def _weight_steps(versions: list[tuple[Optional[int], Optional[int]]]) -> dict:
+    """verl's staleness tags for the episode: the oldest and newest weights that served any call."""
+    lows, highs = [v[0] for v in versions if v[0] is not None], [v[1] for v in versions if v[1] is not None]
+    return {**({"min_global_steps": min(lows)} if lows else {}), **({"max_global_steps": max(highs)} if highs else {})}
