@@ -115,3 +115,94 @@ def test_dockerfile_installs_with_the_project_install_script():
 def test_dockerfile_lints_clean():
     done = subprocess.run(["hadolint", str(DOCKERFILE)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# --- recipes ------------------------------------------------------------------------------------------
+RECIPES = REPO / "recipes"
+MAIN = "run_memopd_qwen2.5_3b_7b_1node.sh"
+#: script -> (extra env for its dry run, the config keys in which it may differ from MAIN's composed config)
+MATCHED = {
+    MAIN: ({}, set()),
+    "run_baseline_flat_history.sh": ({}, {"memopd.layout"}),
+    "run_baseline_ppo_only.sh": ({}, {"memopd.distill.coef"}),
+    "run_memopd_multinode.sh": ({"RAY_DASHBOARD": "http://127.0.0.1:8265", "NNODES": "2"}, {"trainer.nnodes"}),
+}
+#: differ by design: a run's name and where it writes
+RUN_NAMING = {"trainer.experiment_name", "trainer.default_local_dir"}
+COMPOSED = [*MATCHED, "run_memopd_cpu_smoke.sh"]
+
+
+def recipe_overrides(script: str, env: dict | None = None) -> list[str]:
+    """The Hydra overrides a recipe passes to verl.trainer.main_ppo (its MEMOPD_DRY_RUN=1 output)."""
+    done = subprocess.run(["bash", str(RECIPES / script)], env={**os.environ, **(env or {}), "MEMOPD_DRY_RUN": "1"},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    args = done.stdout.splitlines()
+    assert "verl.trainer.main_ppo" in args, f"{script} does not launch verl.trainer.main_ppo: {args[:8]}"
+    return args[args.index("verl.trainer.main_ppo") + 1:]
+
+
+def _recipe_is_placeholder() -> bool:
+    from omegaconf import OmegaConf
+
+    tree = OmegaConf.load(REPO / "hydra_configs" / "recipe" / "memopd.yaml").get("memopd") or {}
+    return set(tree) <= {"layout"}
+
+
+def compose_recipe(script: str, env: dict | None = None):
+    """verl's ppo_trainer config with the script's overrides, composed as main_ppo would (search path included)."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import ConfigCompositionException
+
+    overrides = recipe_overrides(script, env)
+    assert "+recipe=memopd" in overrides
+    try:
+        with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+            return compose(config_name="ppo_trainer", overrides=overrides)
+    except ConfigCompositionException as e:
+        if _recipe_is_placeholder() and "memopd." in str(e.__cause__ or e):
+            pytest.xfail(f"hydra_configs/recipe/memopd.yaml is still the placeholder (issue 6): {e.__cause__ or e}")
+        raise
+
+
+def _flat(cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    out = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            out[prefix[:-1]] = node
+
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+    return out
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in RECIPES.glob("*.sh")))
+def test_recipe_script_parses(script):
+    done = subprocess.run(["bash", "-n", str(RECIPES / script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    head = (RECIPES / script).read_text().split("set -euo pipefail")[0]
+    assert f"bash recipes/{script}" in head or script in head, f"{script}: the header must show its launch command"
+
+
+@pytest.mark.parametrize("script", COMPOSED)
+def test_recipe_composes_under_verl_config(script, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a user's job runs from anywhere: only the installed search path may find configs
+    cfg = compose_recipe(script, MATCHED.get(script, ({}, set()))[0])
+    assert "memopd" in cfg and not isinstance(cfg.get("recipe"), str), "+recipe=memopd did not load the recipe"
+    assert cfg.actor_rollout_ref.model.path and cfg.memopd.layout in ("packed", "flat", "per_call")
+
+
+def test_baselines_and_multinode_differ_from_memopd_only_where_intended(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main = _flat(compose_recipe(MAIN))
+    for script, (env, intended) in MATCHED.items():
+        other = _flat(compose_recipe(script, env))
+        differ = {k for k in main.keys() | other.keys() if main.get(k, "<absent>") != other.get(k, "<absent>")}
+        assert differ - RUN_NAMING == intended, f"{script} differs from {MAIN} in {sorted(differ - RUN_NAMING)}"
+    flat = _flat(compose_recipe("run_baseline_flat_history.sh"))
+    assert (main["memopd.layout"], flat["memopd.layout"]) == ("packed", "flat")
