@@ -1,4 +1,4 @@
-"""Chunked full-vocabulary divergence kernels: one base owns chunking and gradients.
+"""Chunked full-vocabulary divergences: one base owns chunking and gradients.
 
 A supervised batch has A positions; the student's logits there are ``z_S = hidden @ W_S[:V].T``
 (or given as dense logits) and the teacher's arrive through a transport
@@ -7,21 +7,21 @@ A supervised batch has A positions; the student's logits there are ``z_S = hidde
 
     for each token chunk (n rows):
         pass 1  over vocab chunks: online log-sum-exp of z_S / T and z_T / T      -> lse_S, lse_T
-        pass 2  over vocab chunks: a = z_S/T - lse_S, b = z_T/T - lse_T;
+        pass 2  over vocab chunks: a = z_S/T - lse_S, b = z_T/T - lse_T, p = e^a, q = e^b;
                 D += sum f(a, b);  c += sum g(a, b);  diagnostics               -> D, c (n,)
         pass 3  over vocab chunks (when gradients are needed):
-                dL/dz_S = w * (g - p_S * c) / T  ->  accumulate dL/dhidden, dL/dW_S
+                dL/dz_S = w * (g - p * c) / T  ->  accumulate dL/dhidden, dL/dW_S
 
 Gradients are formed during the forward call (Liger-Kernel's chunked-loss pattern), so the
 loss takes the per-token weights ``w`` and returns the scalar ``sum_i w_i * D_i``; backward only
 scales the stored gradients. With ``vocab_chunk_size=None`` (default) a token chunk's (n, V)
-logits are formed once and reused by the three passes; with a vocab chunk, every pass
-recomputes its (n, c) block (3 student and 3 teacher matmuls instead of 1: less memory, more
-time). Peak extra memory ~ 8 * n * min(c, V) * 4 bytes, plus the fp32 gradient of W_S.
+logits are formed once and the three passes share them (normalised in place; ``g`` kept for
+pass 3): peak extra memory ~ 8 * n * V * 4 bytes plus the fp32 gradient of W_S. With a vocab
+chunk, every pass recomputes its (n, c) block: ~ 8 * n * c * 4 bytes, at 3 student and 3
+teacher matmuls instead of 1.
 
-The ``topk`` transport's K + 1 bins use :class:`_StudentBins` (chunked log-sum-exp over all and
-over the non-top-k tokens, custom backward) and :class:`_BinDivergence` (pointwise maths with
-``g``), composed by autograd.
+Other targets (the ``topk`` transport's K + 1 bins, :mod:`verl_memopd.losses.bins`) register a
+kernel for their target type with :func:`register_target_kernel`.
 
 Shapes: A positions, n token-chunk rows, c vocab-chunk columns, H hidden, V agreed vocabulary,
 V_rows >= V head rows (padding rows are excluded from every softmax: logits of -inf), K top-k.
@@ -35,10 +35,18 @@ from typing import Callable, Optional
 
 import torch
 
-from verl_memopd.losses.divergences import Divergence, get_divergence
-from verl_memopd.supervision import HiddenTarget, TopKTarget
+from verl_memopd.losses.divergences import Divergence
+from verl_memopd.supervision import HiddenTarget
 
-__all__ = ["Chunking", "StudentLogits", "DivergenceResult", "divergence_loss", "naive_divergence"]
+__all__ = [
+    "Chunking",
+    "StudentLogits",
+    "DivergenceResult",
+    "divergence_loss",
+    "naive_divergence",
+    "register_target_kernel",
+    "TARGET_KERNELS",
+]
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,9 @@ class Chunking:
     def vocab_ranges(self, vocab_size: int) -> list[slice]:
         step = self.vocab_chunk_size or vocab_size
         return [slice(s, min(s + step, vocab_size)) for s in range(0, vocab_size, step)]
+
+    def token_ranges(self, num_tokens: int) -> list[slice]:
+        return [slice(s, s + self.token_chunk_size) for s in range(0, num_tokens, self.token_chunk_size)]
 
 
 @dataclass(frozen=True)
@@ -115,32 +126,38 @@ class DivergenceResult:
     student_top_mass: torch.Tensor
 
 
-_REVERSE_KL, _FORWARD_KL = get_divergence("reverse_kl"), get_divergence("forward_kl")
-_STATS = 5  # per-token columns: D, reverse KL, forward KL, teacher top mass, student top mass
+@dataclass(frozen=True)
+class Plan:
+    """What a target kernel needs besides tensors (built by :func:`divergence_loss`)."""
+
+    divergence: Divergence
+    vocab_size: int
+    chunking: Chunking
+    clamp: Optional[float]
+    top_tokens: int
 
 
-def _block(x: torch.Tensor, w: Optional[torch.Tensor], rows: slice, cols: slice) -> torch.Tensor:
-    """(n, c) fp32 logits of rows x cols: x[rows] @ w[cols].T (in the inputs' dtype), or x[rows, cols]."""
-    return (x[rows, cols] if w is None else x[rows] @ w[cols].T).float()
+# --- block helpers (shared with verl_memopd.losses.bins) ------------------------------------------
+def logits_block(x: torch.Tensor, w: Optional[torch.Tensor], rows: slice, cols: slice, inv_t: torch.Tensor) -> torch.Tensor:
+    """(n, c) fp32 logits / T of rows x cols: x[rows] @ w[cols].T (inputs' dtype) or x[rows, cols]; a new tensor."""
+    z = x[rows, cols].to(torch.float32, copy=True) if w is None else (x[rows] @ w[cols].T).float()
+    return z.mul_(inv_t)
 
 
-def _online_lse(blocks: Callable[[slice], torch.Tensor], ranges: list[slice]) -> torch.Tensor:
-    """Log-sum-exp over all columns, one (n, c) block at a time -> (n, 2): (max m, log sum exp(z - m)).
-
-    Kept as two parts so that log-probs are ``(z - m) - s``: with logits near 1e4, folding m + s
-    into one fp32 number would round away ~1e-3 of every log-prob.
-    """
-    out = None
-    for cols in ranges:
-        z = blocks(cols)
-        m = z.max(dim=-1).values
-        part = torch.stack([m, torch.log(torch.exp(z - m[:, None]).sum(-1))], -1)
-        out = part if out is None else _merge_lse(out, part)
-    return out
+def lse_parts(z: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(n, c) -> (n, 2): max m and log sum exp(z - m), over all columns and, with mask (n, c), over
+    the unmasked ones -> (n, 3). Two parts, so that log-probs are ``(z - m) - s``: near 1e4,
+    folding m + s into one fp32 number would round ~1e-3 off every log-prob."""
+    m = z.max(dim=-1, keepdim=True).values
+    e = torch.exp(z - m)
+    sums = [e.sum(-1)] + ([e.masked_fill_(mask, 0.0).sum(-1)] if mask is not None else [])
+    return torch.cat([m, torch.stack(sums, -1).log()], -1)
 
 
-def _merge_lse(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Combine two (n, 1 + j) parts: column 0 the max m, columns 1.. log-sum-exps relative to m."""
+def merge_lse(x: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    """Combine two (n, 1 + j) parts (column 0 the max m, the rest log-sum-exps relative to it)."""
+    if x is None:
+        return y
     m = torch.maximum(x[:, :1], y[:, :1])
 
     def shift(part: torch.Tensor) -> torch.Tensor:  # where() keeps -inf - -inf from becoming nan
@@ -149,9 +166,22 @@ def _merge_lse(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.cat([m, torch.logaddexp(shift(x), shift(y))], -1)
 
 
-def _log_normalise(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """(n, c) logits and (n, 2) lse parts -> (n, c) log-probs."""
-    return (z - lse[:, :1]) - lse[:, 1:]
+def accumulate_grad(grad_z, rows, cols, x, w, grad_x, grad_w) -> None:
+    """Chain rule through a logits block (grad_z (n, c), already / T): into grad_x and grad_w."""
+    if w is None:
+        grad_x[rows, cols] += grad_z
+        return
+    if w.dtype == torch.float32 and x.dtype == torch.float32:  # accumulate in place, no product buffer
+        grad_x[rows].addmm_(grad_z, w[cols])
+        grad_w[cols].addmm_(grad_z.T, x[rows])
+        return
+    grad_x[rows] += (grad_z.to(w.dtype) @ w[cols]).float()
+    grad_w[cols] += (grad_z.T.to(x.dtype) @ x[rows]).float()
+
+
+def _rowdot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(n, c), (n, c) -> (n,) row-wise dot products, without an (n, c) product buffer."""
+    return torch.bmm(x.unsqueeze(1), y.unsqueeze(2)).view(-1)
 
 
 def _merge_top(best: Optional[tuple], b: torch.Tensor, a: torch.Tensor, k: int) -> tuple:
@@ -159,36 +189,68 @@ def _merge_top(best: Optional[tuple], b: torch.Tensor, a: torch.Tensor, k: int) 
     vals, idx = b.topk(min(k, b.shape[-1]), dim=-1)
     cand = (vals, a.gather(-1, idx))
     if best is not None:
-        cand = tuple(torch.cat(p, dim=-1) for p in zip(best, cand))
-        vals, idx = cand[0].topk(min(k, cand[0].shape[-1]), dim=-1)
-        cand = (vals, cand[1].gather(-1, idx))
+        both = tuple(torch.cat(pair, dim=-1) for pair in zip(best, cand))
+        vals, idx = both[0].topk(min(k, both[0].shape[-1]), dim=-1)
+        cand = (vals, both[1].gather(-1, idx))
     return cand
 
 
-@dataclass(frozen=True)
-class _Plan:
-    divergence: Divergence
-    vocab_size: int
-    chunking: Chunking
-    clamp: Optional[float]
-    top_tokens: int
+# --- the full-vocabulary kernel ---------------------------------------------------------------------
+class _Blocks:
+    """Normalised student / teacher blocks of one token chunk: (a, b, p, q) per vocab range.
+
+    One range: computed once (in place) and kept. Several: recomputed on every request.
+    """
+
+    def __init__(self, plan: Plan, rows: slice, tensors: tuple, inv_t: torch.Tensor):
+        self.ranges = plan.chunking.vocab_ranges(plan.vocab_size)
+        self.rows, self.tensors, self.inv_t = rows, tensors, inv_t
+        self.cached = None
+        if len(self.ranges) == 1:
+            (a, p), (b, q) = (_log_softmax_in_place(z) for z in self._logits(self.ranges[0]))
+            self.cached = (a, b, p, q)
+            return
+        self.lse_s, self.lse_t = None, None
+        for cols in self.ranges:
+            z_s, z_t = self._logits(cols)
+            self.lse_s, self.lse_t = merge_lse(self.lse_s, lse_parts(z_s)), merge_lse(self.lse_t, lse_parts(z_t))
+
+    def _logits(self, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        s_x, s_w, t_h, t_w = self.tensors
+        return logits_block(s_x, s_w, self.rows, cols, self.inv_t), logits_block(t_h, t_w, self.rows, cols, self.inv_t)
+
+    def __call__(self, cols: slice) -> tuple[torch.Tensor, ...]:
+        if self.cached is not None:
+            return self.cached
+        z_s, z_t = self._logits(cols)
+        a = z_s.sub_(self.lse_s[:, :1]).sub_(self.lse_s[:, 1:2])
+        b = z_t.sub_(self.lse_t[:, :1]).sub_(self.lse_t[:, 1:2])
+        return a, b, a.exp(), b.exp()
+
+
+def _log_softmax_in_place(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, c) logits over the whole vocabulary -> (log-probs in z's storage, probs): one exp."""
+    z.sub_(z.max(dim=-1, keepdim=True).values)
+    e = z.exp()
+    log_sum = e.sum(-1, keepdim=True).log_()
+    return z.sub_(log_sum), e.mul_(log_sum.neg().exp_())
 
 
 class _FullVocabDivergence(torch.autograd.Function):
     """Exact full-vocabulary divergence against a HiddenTarget; gradients formed in forward."""
 
     @staticmethod
-    def forward(ctx, plan: _Plan, weights, s_x, s_w, t_h, t_w, inv_temp):
+    def forward(ctx, plan: Plan, weights, s_x, s_w, t_h, t_w, inv_temp):
         """weights (A,), s_x (A, H | V_rows), s_w (V_rows, H) | None, t_h (A, H_t), t_w (V_rows_t, H_t),
-        inv_temp (A,) -> loss (), stats (A, 5)."""
+        inv_temp (A,) -> loss (), stats (A, 5): D, reverse KL, forward KL, teacher / student top mass."""
         grads_needed = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
         grad_x = torch.zeros_like(s_x, dtype=torch.float32) if grads_needed else None
         grad_w = torch.zeros_like(s_w, dtype=torch.float32) if grads_needed and s_w is not None else None
-        stats = s_x.new_zeros((s_x.shape[0], _STATS), dtype=torch.float32)
+        stats = s_x.new_zeros((s_x.shape[0], 5), dtype=torch.float32)
         loss = torch.zeros((), dtype=torch.float32, device=s_x.device)
-        for start in range(0, s_x.shape[0], plan.chunking.token_chunk_size):
-            rows = slice(start, start + plan.chunking.token_chunk_size)
-            loss += _full_vocab_chunk(plan, rows, (s_x, s_w, t_h, t_w), inv_temp, weights, stats, grad_x, grad_w)
+        for rows in plan.chunking.token_ranges(s_x.shape[0]):
+            blocks = _Blocks(plan, rows, (s_x, s_w, t_h, t_w), inv_temp[rows, None])
+            loss += _full_vocab_chunk(plan, blocks, weights[rows].float(), stats[rows], grad_x, grad_w)
         ctx.grads = (grad_x, grad_w)
         ctx.dtypes = (s_x.dtype, None if s_w is None else s_w.dtype)
         ctx.mark_non_differentiable(stats)
@@ -196,142 +258,65 @@ class _FullVocabDivergence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_stats):
-        grad_x, grad_w = (None if g is None else (g * grad_loss).to(dt) for g, dt in zip(ctx.grads, ctx.dtypes))
-        return None, None, grad_x, grad_w, None, None, None
+        unit = bool(grad_loss == 1)  # the usual case: hand the stored gradients over without a copy
+        grads = [None if g is None else (g if unit else g * grad_loss).to(dt) for g, dt in zip(ctx.grads, ctx.dtypes)]
+        return None, None, *grads, None, None, None
 
 
-def _full_vocab_chunk(plan, rows, tensors, inv_temp, weights, stats, grad_x, grad_w) -> torch.Tensor:
-    """One token chunk of :class:`_FullVocabDivergence`; fills stats[rows] and the gradients."""
-    s_x, s_w, t_h, t_w = tensors
-    ranges = plan.chunking.vocab_ranges(plan.vocab_size)
-    inv_t = inv_temp[rows, None]
-    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def logits(cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        if cols.start in cache:
-            return cache[cols.start]
-        pair = (_block(s_x, s_w, rows, cols) * inv_t, _block(t_h, t_w, rows, cols) * inv_t)
-        if len(ranges) == 1:
-            cache[cols.start] = pair
-        return pair
-
-    lse_s = _online_lse(lambda c: logits(c)[0], ranges)
-    lse_t = _online_lse(lambda c: logits(c)[1], ranges)
-
-    def logprobs(cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        z_s, z_t = logits(cols)
-        return _log_normalise(z_s, lse_s), _log_normalise(z_t, lse_t)
-
-    acc, top = stats.new_zeros((lse_s.shape[0], 3)), None  # D, c = sum g, reverse KL
-    fkl = acc.new_zeros(lse_s.shape[0])
-    for cols in ranges:
-        a, b = logprobs(cols)
-        f, g = plan.divergence.pointwise(a, b, with_grad=True)
-        acc += torch.stack([f.sum(-1), g.sum(-1), _REVERSE_KL.pointwise(a, b)[0].sum(-1)], dim=-1)
-        fkl += _FORWARD_KL.pointwise(a, b)[0].sum(-1)
+def _full_vocab_chunk(plan: Plan, blocks: _Blocks, w: torch.Tensor, stats: torch.Tensor, grad_x, grad_w) -> torch.Tensor:
+    """Passes 2 and 3 for one token chunk: fills stats (n, 5) and the gradients; returns its loss."""
+    n = w.shape[0]
+    div, gsum, rkl, fkl = (w.new_zeros(n) for _ in range(4))
+    top, kept_g = None, None
+    for cols in blocks.ranges:
+        a, b, p, q = blocks(cols)
+        f, g = plan.divergence.pointwise(a, b, p, q, with_grad=True)
+        div += f.sum(-1)
+        gsum += g.sum(-1)
+        d = a - b
+        rkl += _rowdot(p, d)
+        fkl -= _rowdot(q, d)
         top = _merge_top(top, b, a, plan.top_tokens)
-    div, gsum = acc[:, 0], acc[:, 1]
-    stats[rows] = torch.stack([div, acc[:, 2], fkl, top[0].exp().sum(-1), top[1].exp().sum(-1)], dim=-1)
-    w = weights[rows].float()
-    if plan.clamp is not None:
-        w_grad, chunk_loss = w * (div <= plan.clamp), (w * div.clamp(max=plan.clamp)).sum()
-    else:
-        w_grad, chunk_loss = w, (w * div).sum()
+        kept_g = g if blocks.cached is not None else None
+    stats.copy_(torch.stack([div, rkl, fkl, top[0].exp().sum(-1), top[1].exp().sum(-1)], dim=-1))
+    w_grad = w if plan.clamp is None else w * (div <= plan.clamp)
+    chunk_loss = (w * (div if plan.clamp is None else div.clamp(max=plan.clamp))).sum()
     if grad_x is not None:
-        scale = (w_grad * inv_temp[rows])[:, None]
-        for cols in ranges:
-            a, b = logprobs(cols)
-            g = plan.divergence.pointwise(a, b, with_grad=True)[1]
-            grad_z = (g - a.exp() * gsum[:, None]) * scale  # (n, c)
-            _accumulate(grad_z, rows, cols, s_x, s_w, grad_x, grad_w)
+        scale = (w_grad[:, None] * blocks.inv_t)  # (n, 1)
+        for cols in blocks.ranges:
+            a, b, p, q = blocks(cols)
+            g = kept_g if kept_g is not None else plan.divergence.pointwise(a, b, p, q, with_grad=True)[1]
+            grad_z = g.addcmul_(p, gsum[:, None], value=-1.0).mul_(scale)  # (n, c): w (g - p c) / T
+            accumulate_grad(grad_z, blocks.rows, cols, *blocks.tensors[:2], grad_x, grad_w)
     return chunk_loss
 
 
-def _accumulate(grad_z, rows, cols, x, w, grad_x, grad_w) -> None:
-    """Chain rule through the logits block: into grad_x (and grad_w for the linear form)."""
-    if w is None:
-        grad_x[rows, cols] += grad_z
-        return
-    grad_x[rows] += (grad_z.to(w.dtype) @ w[cols]).float()
-    grad_w[cols] += (grad_z.T.to(x.dtype) @ x[rows]).float()
+def _hidden_kernel(plan: Plan, student: StudentLogits, target: HiddenTarget, weights, inv_temp) -> DivergenceResult:
+    s_x, s_w = student.tensors
+    loss, stats = _FullVocabDivergence.apply(plan, weights.detach(), s_x, s_w, target.hidden, target.head_weight, inv_temp)
+    return DivergenceResult(loss, *stats.unbind(-1))
 
 
-class _StudentBins(torch.autograd.Function):
-    """Student log-probs of the K top-k bins and the tail bin: (A, K + 1), chunked, custom backward."""
-
-    @staticmethod
-    def forward(ctx, plan: _Plan, ids, s_x, s_w, inv_temp):
-        """ids (A, K) long, s_x (A, H | V_rows), s_w (V_rows, H) | None, inv_temp (A,) -> (A, K + 1)."""
-        out, lses = [], []
-        for start in range(0, s_x.shape[0], plan.chunking.token_chunk_size):
-            rows = slice(start, start + plan.chunking.token_chunk_size)
-            lse, z_ids = None, None  # lse (n, 3): max m, log-sum-exp over all / over non-top-k, relative to m
-            for cols in plan.chunking.vocab_ranges(plan.vocab_size):
-                z, in_chunk, excluded = _bin_block(s_x, s_w, ids, inv_temp, rows, cols)
-                m = z.max(dim=-1, keepdim=True).values
-                sums = torch.stack([torch.exp(z - m).sum(-1), torch.exp(z - m).masked_fill(excluded, 0.0).sum(-1)], -1)
-                part = torch.cat([m, sums.log()], -1)
-                lse = part if lse is None else _merge_lse(lse, part)
-                picked = z.gather(-1, (ids[rows] - cols.start).clamp(0, z.shape[-1] - 1))
-                z_ids = torch.where(in_chunk, picked, z_ids if z_ids is not None else picked)
-            out.append(torch.cat([_log_normalise(z_ids, lse), lse[:, 2:] - lse[:, 1:2]], -1))
-            lses.append(lse)
-        ctx.save_for_backward(ids, s_x, s_w, inv_temp, torch.cat(lses))
-        ctx.plan = plan
-        return torch.cat(out)
-
-    @staticmethod
-    def backward(ctx, grad_bins):
-        ids, s_x, s_w, inv_temp, lses = ctx.saved_tensors
-        plan = ctx.plan
-        grad_x = torch.zeros_like(s_x, dtype=torch.float32)
-        grad_w = None if s_w is None else torch.zeros_like(s_w, dtype=torch.float32)
-        grad_bins = grad_bins.float()
-        for start in range(0, s_x.shape[0], plan.chunking.token_chunk_size):
-            rows = slice(start, start + plan.chunking.token_chunk_size)
-            g_ids, g_tail, g_all = grad_bins[rows, :-1], grad_bins[rows, -1:], grad_bins[rows].sum(-1, keepdim=True)
-            m, s_all, s_tail = lses[rows, :1], lses[rows, 1:2], lses[rows, 2:]
-            for cols in plan.chunking.vocab_ranges(plan.vocab_size):
-                z, in_chunk, excluded = _bin_block(s_x, s_w, ids, inv_temp, rows, cols)
-                # d a_tail / dz_j = [j not top-k] exp(z_j - tail lse) - p_j;  d a_k / dz_j = [j = id_k] - p_j
-                tail_share = torch.where(excluded, 0.0, g_tail * torch.exp((z - m) - s_tail))
-                grad_z = tail_share - g_all * torch.exp((z - m) - s_all)
-                local = (ids[rows] - cols.start).clamp(0, z.shape[-1] - 1)
-                grad_z.scatter_add_(-1, local, torch.where(in_chunk, g_ids, 0.0))
-                _accumulate(grad_z * inv_temp[rows, None], rows, cols, s_x, s_w, grad_x, grad_w)
-        return None, None, grad_x.to(s_x.dtype), None if s_w is None else grad_w.to(s_w.dtype), None
+# --- public entry -------------------------------------------------------------------------------------
+TARGET_KERNELS: dict[type, Callable[..., DivergenceResult]] = {HiddenTarget: _hidden_kernel}
 
 
-def _bin_block(s_x, s_w, ids, inv_temp, rows, cols):
-    """z (n, c) = logits/T; in_chunk (n, K): the id falls in cols; excluded (n, c): column is a top-k id."""
-    z = _block(s_x, s_w, rows, cols) * inv_temp[rows, None]
-    n, c = z.shape
-    in_chunk = (ids[rows] >= cols.start) & (ids[rows] < cols.stop)
-    local = torch.where(in_chunk, ids[rows] - cols.start, c)  # ids outside cols go to a spare column c
-    excluded = z.new_zeros((n, c + 1), dtype=torch.bool).scatter_(-1, local, True)[:, :c]
-    return z, in_chunk, excluded
+def register_target_kernel(target_type: type) -> Callable:
+    """Decorator: ``kernel(plan, student, target, weights, inv_temp) -> DivergenceResult`` for a target type."""
+
+    def decorator(kernel: Callable) -> Callable:
+        if target_type in TARGET_KERNELS:
+            raise ValueError(f"a kernel for {target_type.__name__} is already registered")
+        TARGET_KERNELS[target_type] = kernel
+        return kernel
+
+    return decorator
 
 
-class _BinDivergence(torch.autograd.Function):
-    """sum over bins of f(a, b), gradient g: a (A, K + 1) student, b (A, K + 1) teacher -> (A,)."""
-
-    @staticmethod
-    def forward(ctx, divergence: Divergence, a, b):
-        f, g = divergence.pointwise(a, b, with_grad=True)
-        ctx.save_for_backward(g)
-        return f.sum(-1)
-
-    @staticmethod
-    def backward(ctx, grad_d):
-        (g,) = ctx.saved_tensors
-        return None, g * grad_d[:, None], None
-
-
-# --- public entry -----------------------------------------------------------------------------
 def divergence_loss(
     divergence: Divergence,
     student: StudentLogits,
-    target: HiddenTarget | TopKTarget,
+    target,
     weights: torch.Tensor,
     temperature: torch.Tensor,
     chunking: Chunking = Chunking(),
@@ -341,9 +326,9 @@ def divergence_loss(
     """Weighted divergence at A supervised positions, never forming (A, V) at once.
 
     Args:
-        divergence: per-chunk maths (:func:`get_divergence`).
+        divergence: per-chunk maths (:func:`~verl_memopd.losses.divergences.get_divergence`).
         student: the student's logits at the A positions (hidden + head, or dense).
-        target: the teacher's distribution there, from a transport's ``decode``.
+        target: the teacher's distribution there, from a transport's ``decode`` (HiddenTarget, TopKTarget).
         weights: (A,) non-negative per-token weights (e.g. dp_size / global teacher-token count).
         temperature: (A,) the rollout temperature of each position (> 0); divides both sides' logits.
             (The ``topk`` transport applied it teacher-side when encoding.)
@@ -365,38 +350,11 @@ def divergence_loss(
         raise ValueError(f"divergence_loss: clamp = {clamp} must be > 0 (or None)")
     if top_tokens < 1:
         raise ValueError(f"divergence_loss: top_tokens = {top_tokens} must be >= 1")
-    if type(target) not in _KERNELS:
-        raise TypeError(f"divergence_loss: no kernel for {type(target).__name__}; known targets: {[t.__name__ for t in _KERNELS]}")
-    plan = _Plan(divergence, student.vocab_size, chunking, clamp, top_tokens)
-    return _KERNELS[type(target)](plan, student, target, weights, 1.0 / temperature.float())
-
-
-def _hidden_kernel(plan, student, target: HiddenTarget, weights, inv_temp) -> DivergenceResult:
-    s_x, s_w = student.tensors
-    loss, stats = _FullVocabDivergence.apply(plan, weights.detach(), s_x, s_w, target.hidden, target.head_weight, inv_temp)
-    return DivergenceResult(loss, *stats.unbind(-1))
-
-
-def _topk_kernel(plan, student, target: TopKTarget, weights, inv_temp) -> DivergenceResult:
-    s_x, s_w = student.tensors
-    a = _StudentBins.apply(plan, target.ids, s_x, s_w, inv_temp)  # (A, K + 1)
-    b = torch.cat([target.logprobs, target.tail_logprob[:, None]], -1)
-    div = _BinDivergence.apply(plan.divergence, a, b)
-    kept = div if plan.clamp is None else div.clamp(max=plan.clamp)
-    with torch.no_grad():
-        a_d = a.detach()
-        top_b, idx = target.logprobs.topk(min(plan.top_tokens, b.shape[-1] - 1), dim=-1)
-        stats = (
-            div.detach(),
-            _REVERSE_KL.pointwise(a_d, b)[0].sum(-1),
-            _FORWARD_KL.pointwise(a_d, b)[0].sum(-1),
-            top_b.exp().sum(-1),
-            a_d.gather(-1, idx).exp().sum(-1),
-        )
-    return DivergenceResult((weights.detach().float() * kept).sum(), *stats)
-
-
-_KERNELS: dict[type, Callable[..., DivergenceResult]] = {HiddenTarget: _hidden_kernel, TopKTarget: _topk_kernel}
+    if type(target) not in TARGET_KERNELS:
+        known = [t.__name__ for t in TARGET_KERNELS]
+        raise TypeError(f"divergence_loss: no kernel for {type(target).__name__}; known targets: {known}")
+    plan = Plan(divergence, student.vocab_size, chunking, clamp, top_tokens)
+    return TARGET_KERNELS[type(target)](plan, student, target, weights, 1.0 / temperature.float())
 
 
 def naive_divergence(
@@ -408,12 +366,13 @@ def naive_divergence(
 ) -> torch.Tensor:
     """Reference: (A, V_rows_s) and (A, V_rows_t) logits -> (A,) divergence, all in one (A, V) piece.
 
-    Padded rows (columns >= vocab_size) are set to -inf before the softmax, explicitly.
+    Padded rows (columns >= vocab_size), if any, are set to -inf before the softmax, explicitly.
     """
 
     def logp(logits: torch.Tensor) -> torch.Tensor:
         z = logits.float() / temperature.float()[:, None]
-        z = z.masked_fill(torch.arange(z.shape[-1], device=z.device) >= vocab_size, -math.inf)
+        if z.shape[-1] > vocab_size:
+            z = z.masked_fill(torch.arange(z.shape[-1], device=z.device) >= vocab_size, -math.inf)
         return torch.log_softmax(z, dim=-1)[:, :vocab_size]
 
     return divergence.reference(logp(student_logits), logp(teacher_logits))

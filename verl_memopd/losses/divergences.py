@@ -5,7 +5,8 @@ the K + 1 bins of the top-k transport)::
 
     D(p_S, p_T) = sum_j f(a_j, b_j)        a = log p_S, b = log p_T   (normalised log-probs)
 
-A divergence supplies only ``f`` and ``g = df/da`` elementwise on a chunk; the chunked kernels
+A divergence supplies only ``f`` and ``g = df/da`` elementwise on a chunk (given ``a, b`` and
+``p = exp(a), q = exp(b)``, which the kernel has anyway); the chunked kernels
 (:mod:`verl_memopd.losses.chunked`) own normalisation, chunking and the softmax Jacobian
 (``dD/dz_j = (g_j - p_S,j * sum_k g_k) / T`` for student logits ``z`` at temperature ``T``).
 Zero-probability entries contribute 0 (``0 * log 0 = 0``); an entry where one side has mass and
@@ -39,9 +40,10 @@ class Divergence(ABC):
 
     @abstractmethod
     def pointwise(
-        self, a: torch.Tensor, b: torch.Tensor, with_grad: bool = False
+        self, a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, q: torch.Tensor, with_grad: bool = False
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """a, b: (n, c) fp32 student / teacher log-probs -> f (n, c) and g = df/da (n, c) or None."""
+        """a, b: (n, c) fp32 student / teacher log-probs, p = exp(a), q = exp(b) (given, not
+        recomputed) -> f (n, c) and g = df/da (n, c, a new tensor the caller may overwrite) or None."""
 
     @abstractmethod
     def reference(self, student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
@@ -71,10 +73,10 @@ def get_divergence(name: str, **params: Any) -> Divergence:
     return DIVERGENCES[name](**params)
 
 
-def _weighted_log_ratio(logp: torch.Tensor, log_other: torch.Tensor) -> torch.Tensor:
-    """exp(logp) * (logp - log_other), with 0 wherever exp(logp) == 0."""
-    p = logp.exp()
-    return torch.where(p > 0, p * (logp - log_other), 0.0)
+def _weighted_log_ratio(logp: torch.Tensor, log_other: torch.Tensor, prob: torch.Tensor) -> torch.Tensor:
+    """prob * (logp - log_other), with 0 where prob == 0 (the nan of 0 * inf) and +inf kept."""
+    out = (logp - log_other).mul_(prob)
+    return out.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
 
 
 @register_divergence("reverse_kl")
@@ -82,9 +84,9 @@ def _weighted_log_ratio(logp: torch.Tensor, log_other: torch.Tensor) -> torch.Te
 class ReverseKL(Divergence):
     """KL(p_S || p_T) = sum_j p_S,j (a_j - b_j): mode-seeking, over the student's own samples."""
 
-    def pointwise(self, a, b, with_grad=False):
-        f = _weighted_log_ratio(a, b)
-        return f, (f + a.exp()) if with_grad else None  # g = p_S (a - b + 1)
+    def pointwise(self, a, b, p, q, with_grad=False):
+        f = _weighted_log_ratio(a, b, p)
+        return f, (f + p) if with_grad else None  # g = p_S (a - b + 1)
 
     def reference(self, student_logp, teacher_logp):
         return F.kl_div(teacher_logp, student_logp, reduction="none", log_target=True).sum(-1)
@@ -95,8 +97,8 @@ class ReverseKL(Divergence):
 class ForwardKL(Divergence):
     """KL(p_T || p_S) = sum_j p_T,j (b_j - a_j): mass-covering."""
 
-    def pointwise(self, a, b, with_grad=False):
-        return _weighted_log_ratio(b, a), -b.exp() if with_grad else None  # g = -p_T
+    def pointwise(self, a, b, p, q, with_grad=False):
+        return _weighted_log_ratio(b, a, q), -q if with_grad else None  # g = -p_T
 
     def reference(self, student_logp, teacher_logp):
         return F.kl_div(student_logp, teacher_logp, reduction="none", log_target=True).sum(-1)
@@ -116,13 +118,10 @@ class GeneralizedJSD(Divergence):
         if not 0.0 < self.beta < 1.0:
             raise ValueError(f"jsd: beta = {self.beta} must be strictly between 0 and 1")
 
-    def _log_mixture(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.logaddexp(b + math.log(self.beta), a + math.log1p(-self.beta))
-
-    def pointwise(self, a, b, with_grad=False):
-        log_m = self._log_mixture(a, b)
-        student_term = (1.0 - self.beta) * _weighted_log_ratio(a, log_m)
-        f = self.beta * _weighted_log_ratio(b, log_m) + student_term
+    def pointwise(self, a, b, p, q, with_grad=False):
+        log_m = torch.logaddexp(b + math.log(self.beta), a + math.log1p(-self.beta))
+        student_term = _weighted_log_ratio(a, log_m, p).mul_(1.0 - self.beta)
+        f = _weighted_log_ratio(b, log_m, q).mul_(self.beta).add_(student_term)
         return f, student_term if with_grad else None  # g = (1 - beta) p_S (a - log M)
 
     def reference(self, student_logp, teacher_logp):
