@@ -434,12 +434,6 @@ def test_vllm_rollout_throughput(vllm_runs, capsys):
     assert sampled > 0 and all(0.0 <= e.reward <= 1.0 for e in episodes)
 
 
-if __name__ == "__main__":
-    import sys
-
-    _vllm_rollout(*sys.argv[1:3])
-
-
 @pytest.mark.slow
 def test_memory_agent_rows_train_through_stock_verl_grpo(tiny_models, tmp_path):
     """2 GRPO steps of stock ``main_ppo`` (V1 trainer, TransferQueue agent loop) on benchmark rows."""
@@ -470,3 +464,9 @@ def test_memory_agent_rows_train_through_stock_verl_grpo(tiny_models, tmp_path):
     assert 0.0 <= run.steps[0]["val-aux/memopd_memory/tiny/f1/mean@1"] <= 1.0  # our reward_extra_info reached verl
     for step in (1, 2):
         assert not non_finite(run.steps[step]), f"step {step}: non-finite {non_finite(run.steps[step])}"
+
+
+if __name__ == "__main__":
+    import sys
+
+    _vllm_rollout(*sys.argv[1:3])
