@@ -249,6 +249,19 @@ def test_config_overrides_prompts_and_refuses_unknown_keys(tokenizer):
     assert tokenizer.decode(server.requests[0]["prompt_ids"]).count("Notes:\n(empty)") == 1
 
 
+def test_generation_config_eos_ids_are_stop_ids(tokenizer, tmp_path):
+    from transformers import GenerationConfig
+
+    GenerationConfig(eos_token_id=[tokenizer.eos_token_id, 7]).save_pretrained(tmp_path)
+    config = _config()
+    config.actor_rollout_ref.model = {"path": str(tmp_path)}
+    server = FakeServer(lambda t, prompt, max_tokens: _filler(prompt, 3) + [7])
+    episode = Episode.from_dict(_run(tokenizer, server, _row(), config).extra_fields[EXTRA_EPISODE])
+    assert all(r["sampling_params"]["stop_token_ids"] == [tokenizer.eos_token_id, 7] for r in server.requests)
+    assert all(i.finish_reason == "stop" and i.response_ids[-1] == 7 for i in episode.invocations)
+    assert episode.invocations[0].memory_span == (0, 3)
+
+
 def test_malformed_row_fails_naming_the_row(tokenizer):
     row = _row()
     row["extra_info"]["chunks"][1] = ""

@@ -29,9 +29,10 @@ own ``position_ids`` -- recomputed as 0..L-1 -- are NOT the restored ones):
 
 Config (``memopd.agent`` in the trainer config; every key optional, defaults below):
 ``memory_tokens`` (256) token budget of a memory call; ``answer_tokens`` (64) of the answer
-call; ``stop_token_ids`` ([]) stop ids besides the tokenizer's eos -- add the model's
-generation-config eos ids when they differ; ``prompts`` ({}) overrides of ``MemoryPrompts``
-fields. Rollout requirements: ``actor_rollout_ref.rollout.calculate_log_probs=True``;
+call; ``stop_token_ids`` ([]) extra stop ids -- the tokenizer's eos and the eos ids of the
+model's generation config (``actor_rollout_ref.model.path``; vLLM stops on those too) are always
+stop ids; ``prompts`` ({}) overrides of ``MemoryPrompts`` fields. A call that ends early on a
+token outside this set raises (its last token would otherwise be kept as memory). Rollout requirements: ``actor_rollout_ref.rollout.calculate_log_probs=True``;
 ``prompt_length`` >= |q| and ``response_length`` >= the packed response (both checked).
 """
 
@@ -39,11 +40,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
+from functools import lru_cache
 from typing import Any, Mapping, Optional
 from uuid import uuid4
 
 from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
+from verl.utils.model import get_generation_config
 
 from verl_memopd.agent.context import CallContext
 from verl_memopd.packing import pack_episode
@@ -99,7 +102,9 @@ class MemoryAgentLoop(AgentLoopBase):
         super().__init__(*args, **kwargs)
         self.agent_config = MemoryAgentConfig.from_mapping(self.config.get("memopd", {}).get("agent"))
         eos = self.tokenizer.eos_token_id
-        self.stop_ids = frozenset(self.agent_config.stop_token_ids) | ({eos} if eos is not None else set())
+        model_path = self.config.get("actor_rollout_ref", {}).get("model", {}).get("path")
+        self.stop_ids = (frozenset(self.agent_config.stop_token_ids) | ({eos} if eos is not None else set())
+                         | (_generation_eos_ids(str(model_path)) if model_path else frozenset()))
         if not self.stop_ids:
             raise ValueError("memory agent: the tokenizer has no eos token and memopd.agent.stop_token_ids is empty")
 
@@ -182,6 +187,14 @@ class MemoryAgentLoop(AgentLoopBase):
                 **_weight_steps(versions),
             },
         )
+
+
+@lru_cache(maxsize=None)
+def _generation_eos_ids(model_path: str) -> frozenset[int]:
+    """The eos ids of the model's generation config (vLLM stops on them too); empty if it has none."""
+    config = get_generation_config(model_path)
+    eos = getattr(config, "eos_token_id", None)
+    return frozenset([eos] if isinstance(eos, int) else (eos or ()))
 
 
 def _weight_steps(versions: list[tuple[Optional[int], Optional[int]]]) -> dict:
