@@ -110,6 +110,23 @@ def test_extreme_logits_stay_finite(name, params):
     torch.testing.assert_close(res.loss, ref, rtol=1e-5, atol=1e-2)
 
 
+def test_bf16_inputs_within_budget_of_plain_pytorch():
+    """bf16 hidden/head (FSDP mixed precision): same error budget as plain PyTorch on the same inputs."""
+    div = get_divergence("reverse_kl")
+    hs, ws, ht, wt, temp, weights = _case(seed=8)
+    hs16, ws16 = (t.detach().to(torch.bfloat16).requires_grad_() for t in (hs, ws))
+    res = divergence_loss(div, StudentLogits(V, hidden=hs16, head_weight=ws16), HiddenTarget(ht, wt, V), weights, temp, Chunking(8, 30))
+    grads = torch.autograd.grad(res.loss, (hs16, ws16))
+    plain, _ = _naive(div, hs16, ws16, ht, wt, temp, weights)  # plain PyTorch, bf16 matmuls
+    plain_grads = torch.autograd.grad(plain, (hs16, ws16))
+    exact, _ = _naive(div, *(t.detach().float().requires_grad_() for t in (hs16, ws16)), ht, wt, temp, weights)
+    budget = 2 * float((plain - exact).abs().detach()) + 1e-6
+    assert float((res.loss - exact).abs().detach()) <= budget
+    assert all(g.dtype == torch.bfloat16 for g in grads)
+    for got, want in zip(grads, plain_grads):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3)
+
+
 def test_clamp_caps_value_and_stops_gradient():
     div = get_divergence("reverse_kl")
     hs, ws, ht, wt, temp, weights = _case(seed=6, scale=1.0)

@@ -162,7 +162,7 @@ def test_micro_batch_split_invariance_of_loss_gradients_and_metrics(split):
     opd = OPDLossConfig(vocab_size=V, coef=COEF, divergence="jsd", jsd_beta=0.4, token_chunk_size=5)
     whole = _run(params, [data], opd)
     if split == "uneven":  # like verl's dynamic batch size: index_select groups
-        parts = [tu.index_select_tensor_dict(data, idx) for idx in ([4, 0], [1], [5, 3, 2])]
+        parts = [tu.index_select_tensor_dict(data, idx) for idx in ([3], [4, 0], [1, 5, 2])]  # [3]: no m_T tokens
     else:
         parts = tu.chunk_tensordict(data, int(split[-1]))
     pieces = _run(params, parts, opd)

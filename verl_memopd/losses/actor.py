@@ -13,8 +13,13 @@ The engine calls ``loss_fn(model_output=..., data=micro_batch, dp_group=...)`` o
 micro-batch and back-propagates each result. L_OPD is normalised by the teacher-token count of
 the whole mini-batch on all data-parallel ranks (and multiplied by ``dp_size``, as verl's
 ``agg_loss`` does, because FSDP averages gradients over ranks), so summed gradients do not
-depend on how the mini-batch is split. Metrics are partial sums over that same count
-(``AggregationType.SUM``), so verl's aggregation yields exact global means.
+depend on how the mini-batch is split. L_OPD is always this token mean over m_T (the method's
+definition), whatever ``actor.loss_agg_mode`` does to the PPO term. Metrics are partial sums
+over that same count (``AggregationType.SUM``), so verl's aggregation yields exact global means.
+
+The engine should put the ``memopd_*`` entries into ``model_output`` only when this loss
+consumes them (``train_batch``): for forward-only calls verl's ``postprocess_batch_func``
+concatenates every model-output key as a nested tensor.
 
 Inputs -- verl's V1 NO_PADDING layout: jagged nested tensors, one row per episode::
 

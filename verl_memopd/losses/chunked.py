@@ -150,7 +150,9 @@ def lse_parts(z: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Ten
     folding m + s into one fp32 number would round ~1e-3 off every log-prob."""
     m = z.max(dim=-1, keepdim=True).values
     e = torch.exp(z - m)
-    sums = [e.sum(-1)] + ([e.masked_fill_(mask, 0.0).sum(-1)] if mask is not None else [])
+    sums = [e.sum(-1)]
+    if mask is not None:
+        sums.append(e.masked_fill_(mask, 0.0).sum(-1))
     return torch.cat([m, torch.stack(sums, -1).log()], -1)
 
 
