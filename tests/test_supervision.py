@@ -1,5 +1,6 @@
 """Teacher supervision transports and vocabulary agreement (verl_memopd.supervision)."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -182,7 +183,13 @@ def test_vocab_spec_validation_and_hf_reading():
         VocabSpec("teacher", 100, 90, (7,))
     with pytest.raises(SupervisionError, match=r"student: eos_token_ids \[100\] outside the vocabulary"):
         VocabSpec("student", 100, 128, (100,))
-    spec = VocabSpec.from_hf(
-        "student", _Tok(n=100, eos_token_id=7, pad_token_id=0), SimpleNamespace(vocab_size=128), SimpleNamespace(eos_token_id=[7, 9])
-    )
-    assert spec == VocabSpec("student", 100, 128, (7, 9), 0)
+    vocab = {f"t{i}": i for i in range(100)}
+    tok = _Tok(n=100, eos_token_id=7, pad_token_id=0, get_vocab=lambda: vocab)
+    spec = VocabSpec.from_hf("student", tok, SimpleNamespace(vocab_size=128), SimpleNamespace(eos_token_id=[7, 9]))
+    assert dataclasses.replace(spec, vocab_digest=None) == VocabSpec("student", 100, 128, (7, 9), 0)
+    swapped = {**vocab, "t1": 2, "t2": 1}  # same size, same special ids, different tokens
+    other = VocabSpec.from_hf("teacher", _Tok(n=100, eos_token_id=7, pad_token_id=0, get_vocab=lambda: swapped),
+                              SimpleNamespace(vocab_size=128), SimpleNamespace(eos_token_id=[7, 9]))
+    with pytest.raises(SupervisionError, match="vocab_digest: the tokenizers map tokens to different ids"):
+        check_vocab_agreement(spec, other)
+    assert check_vocab_agreement(spec, dataclasses.replace(other, vocab_digest=spec.vocab_digest)) == 100

@@ -25,6 +25,8 @@ Shapes: A supervised tokens, H hidden, V the agreed vocabulary size, V_rows >= V
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -66,6 +68,8 @@ class VocabSpec:
             rows ``>= vocab_size`` are padding and are excluded from every softmax.
         eos_token_ids: the ids that end a call (tokenizer eos plus any generation-config eos).
         pad_token_id: the pad id, or None when the tokenizer has none.
+        vocab_digest: sha256 of the tokenizer's (token, id) pairs -- same size is not same tokens;
+            None when unknown (then not compared).
     """
 
     name: str
@@ -73,6 +77,7 @@ class VocabSpec:
     head_rows: int
     eos_token_ids: tuple[int, ...]
     pad_token_id: Optional[int] = None
+    vocab_digest: Optional[str] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
@@ -97,20 +102,25 @@ class VocabSpec:
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         gen_eos = getattr(generation_config, "eos_token_id", None)
         eos += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
-        return cls(name, len(tokenizer), int(config.vocab_size), tuple(sorted(set(eos))), tokenizer.pad_token_id)
+        pairs = json.dumps(sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]), ensure_ascii=False)
+        digest = hashlib.sha256(pairs.encode()).hexdigest()
+        return cls(name, len(tokenizer), int(config.vocab_size), tuple(sorted(set(eos))), tokenizer.pad_token_id, digest)
 
 
 def check_vocab_agreement(student: VocabSpec, teacher: VocabSpec) -> int:
     """Return the shared vocabulary size V, or raise naming every disagreeing field.
 
-    Head rows may differ (each side excludes its own padded rows); the tokenizer length and the
-    special ids may not: a teacher log-prob for token j must be about the same token j.
+    Head rows may differ (each side excludes its own padded rows); the tokenizer length, the
+    special ids and (when both are known) the token -> id map may not: a teacher log-prob for
+    token j must be about the same token j.
     """
     problems = [
         f"{field_name}: student {getattr(student, field_name)} != teacher {getattr(teacher, field_name)}"
         for field_name in ("vocab_size", "eos_token_ids", "pad_token_id")
         if getattr(student, field_name) != getattr(teacher, field_name)
     ]
+    if None not in (student.vocab_digest, teacher.vocab_digest) and student.vocab_digest != teacher.vocab_digest:
+        problems.append("vocab_digest: the tokenizers map tokens to different ids")
     if problems:
         raise SupervisionError("student and teacher vocabularies disagree -- " + "; ".join(problems))
     return student.vocab_size
