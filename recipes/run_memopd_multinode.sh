@@ -5,7 +5,8 @@
 #   MEMOPD_DRY_RUN=1 RAY_DASHBOARD=... NNODES=2 bash recipes/run_memopd_multinode.sh     print the command only
 #
 # The training command is recipes/run_memopd_qwen2.5_3b_7b_1node.sh's (same settings, same env variables)
-# with trainer.nnodes=$NNODES; `ray job submit` follows the job's log (Ctrl-C detaches, the job keeps running;
+# with trainer.nnodes = memopd.teacher.nnodes = $NNODES (per node: 6 GPUs for the actor group, 2 for the
+# teacher). `ray job submit` follows the job's log (Ctrl-C detaches and the job keeps running;
 # `ray job stop <id> --address $RAY_DASHBOARD` stops it).
 # Hardware: NNODES nodes x GPUS_PER_NODE (8) GPUs of 80 GB, one Ray node per machine, started beforehand:
 #   head:   ray start --head --port=6379 --dashboard-host=0.0.0.0 --num-gpus=8
@@ -14,16 +15,18 @@
 #   - the plugin installed (the docker/Dockerfile image, or bash docker/install.sh gpu), NOT shipped with a
 #     runtime_env working_dir: verl imports it through its `verl.plugins` entry point in each worker process it
 #     starts on a node, and a node without it would run workers that lack MemOPD's registrations;
-#   - MEMOPD_DATA, CKPT_DIR and the model folders (or HF_HOME's hub cache) on storage all nodes share: verl's
-#     TaskRunner reads the data on whichever node Ray puts it, and every rank writes its checkpoint shard.
+#   - MEMOPD_DATA, CKPT_DIR, STUDENT and TEACHER (model folders) on storage all nodes share: verl's TaskRunner
+#     reads the data on whichever node Ray puts it, workers load the models, every rank writes its checkpoint.
+# Ray token authentication (on by default in recent Ray when a token exists): the submitting shell needs the
+#   cluster's token too (RAY_AUTH_MODE=token plus RAY_AUTH_TOKEN or ~/.ray/auth_token).
 # Runtime env: env_vars only -- the variables named in MEMOPD_JOB_ENV that are set here (default: HF_HOME
 #   HF_HUB_OFFLINE TRANSFORMERS_OFFLINE WANDB_MODE NCCL_SOCKET_IFNAME NCCL_IB_HCA
 #   GLOO_SOCKET_IFNAME VERL_PLATFORM). Variables the nodes need at start-up (e.g. NCCL_*) are safest exported
 #   before `ray start` as well.
-# Data: the `3b` preset, built here on first use (python -m verl_memopd.tasks build --preset 3b).
-# Expect: what run_memopd_qwen2.5_3b_7b_1node.sh's header says, with NNODES times the GPUs per step's
-#   rollout; the job ends SUCCEEDED. The same submission path is tested on one CPU machine by
-#   tests/test_multinode_ray.py (two Ray nodes on loopback).
+# Data and models: fetched / built here on first use (the 1-node script with MEMOPD_PREPARE_ONLY=1).
+# Expect: the outcome run_memopd_qwen2.5_3b_7b_1node.sh's header states, at up to NNODES times its throughput;
+#   the job ends SUCCEEDED. The same submission path (two Ray nodes on one CPU machine) is tested by
+#   tests/test_multinode_ray.py.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 dashboard="${RAY_DASHBOARD:?set RAY_DASHBOARD to the Ray dashboard address, e.g. http://<head>:8265}"
@@ -44,5 +47,5 @@ if [ "${MEMOPD_DRY_RUN:-0}" = 1 ]; then
   printf '%s\n' "${cmd[@]}"
   exit 0
 fi
-[ -f "$data/train.parquet" ] || python -m verl_memopd.tasks build --preset 3b --seed 0 --out "$data"
+MEMOPD_PREPARE_ONLY=1 MEMOPD_DATA="$data" bash "$here/run_memopd_qwen2.5_3b_7b_1node.sh"
 exec "${cmd[@]}"

@@ -5,15 +5,18 @@
 #                                                                          or after bash docker/install.sh gpu)
 #   MEMOPD_DRY_RUN=1 bash recipes/run_memopd_qwen2.5_3b_7b_1node.sh       print the command, one argument per
 #                                                                          line, and run nothing
-# Hardware: 1 node, 8x 80 GB GPUs (A100/H100/H200), ~200 GB host RAM. Per GPU: the FSDP-sharded 3B actor,
-#   critic and reference and the 7B teacher (forward only; ~2 GB of bf16 weights per GPU when sharded 8 ways),
-#   plus one vLLM replica of the 3B student (TP 1) in 40% of the GPU's memory.
+#   MEMOPD_PREPARE_ONLY=1 bash recipes/run_memopd_qwen2.5_3b_7b_1node.sh  fetch the models, build the data, stop
+# Hardware: 1 node, 8x 80 GB GPUs (A100/H100/H200), ~200 GB host RAM, ~40 GB disk for the two models.
+#   6 GPUs (trainer.n_gpus_per_node): the FSDP-sharded 3B actor, critic and reference, and one vLLM replica of
+#   the student per GPU (TP 1, 40% of its memory). 2 GPUs (memopd.teacher.n_gpus_per_node): the 7B teacher's
+#   own resource pool (forward only, bf16 FSDP, ~8 GB of weights per GPU). TEACHER_GPUS_PER_NODE moves the split.
 # Data: the memory benchmark's `3b` preset (8 chunks of ~400 words, 3 questions per episode), built on first
-#   use: python -m verl_memopd.tasks build --preset 3b --seed 0 --out "$MEMOPD_DATA". Models come from the
-#   Hugging Face hub unless STUDENT / TEACHER name local folders.
-# Env: MEMOPD_DATA (default ~/data/memopd_3b), STUDENT, TEACHER, NNODES (1), GPUS_PER_NODE (8), EXPERIMENT,
-#   CKPT_DIR; extra arguments are Hydra overrides and win over everything above (recipes/run_baseline_*.sh
-#   are this script plus one override, so every other setting stays matched).
+#   use: python -m verl_memopd.tasks build --preset 3b --seed 0 --out "$MEMOPD_DATA".
+# Models: local folders STUDENT / TEACHER (default ~/models/Qwen2.5-{3B,7B}-Instruct), downloaded from the
+#   Hugging Face hub on first use (memopd.teacher.path must be a local folder).
+# Env: MEMOPD_DATA (default ~/data/memopd_3b), STUDENT, TEACHER, NNODES (1), GPUS_PER_NODE (8),
+#   TEACHER_GPUS_PER_NODE (2), EXPERIMENT, CKPT_DIR; extra arguments are Hydra overrides and win over
+#   everything above (recipes/run_baseline_*.sh are this script plus one override, so all else stays matched).
 # Expect (not yet run on GPUs by this project -- the numbers are the paper's): per-step metrics on the
 #   console; validation F1 (val-core/memopd_memory/reward/mean@1) rising over the first ~100 steps and the
 #   teacher KL (memopd/*) falling; at the end, MemOPD's F1 above the flat-history baseline (paper: +7.0% F1)
@@ -21,25 +24,29 @@
 #   GPU path first with `python -m verl_memopd.gpucheck`.
 set -euo pipefail
 data="${MEMOPD_DATA:-$HOME/data/memopd_3b}"
-student="${STUDENT:-Qwen/Qwen2.5-3B-Instruct}"
-teacher="${TEACHER:-Qwen/Qwen2.5-7B-Instruct}"
+student="${STUDENT:-$HOME/models/Qwen2.5-3B-Instruct}"
+teacher="${TEACHER:-$HOME/models/Qwen2.5-7B-Instruct}"
 experiment="${EXPERIMENT:-memopd_qwen2.5_3b_7b}"
+nnodes="${NNODES:-1}"
+teacher_gpus="${TEACHER_GPUS_PER_NODE:-2}"
 
 # Lengths: q ~300 tokens; each memory call sees [q | memory <= 1024 | chunk ~550] and writes <= 1024 tokens
 # (memopd.agent.memory_tokens); one episode = 8 memory calls + 1 answer call packed into one response.
 cmd=(python -m verl.trainer.main_ppo +recipe=memopd
   data.train_files="$data/train.parquet" data.val_files="$data/val.parquet"
-  data.train_batch_size=64 data.val_batch_size=128
+  data.train_batch_size=48 data.val_batch_size=128
   data.max_prompt_length=1024 data.max_response_length=22528
   actor_rollout_ref.model.path="$student" critic.model.path="$student"
-  memopd.teacher.path="$teacher"
+  memopd.teacher.path="$teacher" memopd.teacher.n_gpus_per_node="$teacher_gpus" memopd.teacher.nnodes="$nnodes"
+  actor_rollout_ref.model.override_config.attn_implementation=memopd_fa2
+  critic.model.override_config.attn_implementation=memopd_fa2 memopd.teacher.attn_implementation=memopd_fa2
   memopd.agent.memory_tokens=1024 memopd.agent.answer_tokens=128
   actor_rollout_ref.model.enable_gradient_checkpointing=true critic.model.enable_gradient_checkpointing=true
   actor_rollout_ref.model.use_remove_padding=true critic.model.use_remove_padding=true
   actor_rollout_ref.actor.optim.lr=1e-6 critic.optim.lr=1e-5
-  actor_rollout_ref.actor.ppo_mini_batch_size=16
+  actor_rollout_ref.actor.ppo_mini_batch_size=24
   actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24576
-  critic.use_dynamic_bsz=true critic.ppo_max_token_len_per_gpu=49152 critic.ppo_mini_batch_size=16
+  critic.use_dynamic_bsz=true critic.ppo_max_token_len_per_gpu=49152 critic.ppo_mini_batch_size=24
   actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=49152
   actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true
   actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=49152
@@ -47,7 +54,7 @@ cmd=(python -m verl.trainer.main_ppo +recipe=memopd
   actor_rollout_ref.rollout.gpu_memory_utilization=0.4 actor_rollout_ref.rollout.max_model_len=4096
   actor_rollout_ref.rollout.max_num_batched_tokens=16384 actor_rollout_ref.rollout.n=1
   actor_rollout_ref.rollout.agent.num_workers=8
-  trainer.nnodes="${NNODES:-1}" trainer.n_gpus_per_node="${GPUS_PER_NODE:-8}"
+  trainer.nnodes="$nnodes" trainer.n_gpus_per_node="$(( ${GPUS_PER_NODE:-8} - teacher_gpus ))"
   trainer.total_training_steps=300 trainer.val_before_train=true trainer.test_freq=20 trainer.save_freq=50
   trainer.logger='[console,tensorboard]' trainer.project_name=memopd trainer.experiment_name="$experiment"
   trainer.default_local_dir="${CKPT_DIR:-checkpoints/memopd/$experiment}"
@@ -57,5 +64,11 @@ if [ "${MEMOPD_DRY_RUN:-0}" = 1 ]; then
   printf '%s\n' "${cmd[@]}"
   exit 0
 fi
+fetch() {  # local model folder <- hub repo, once
+  [ -f "$1/config.json" ] || python -c "import sys; from huggingface_hub import snapshot_download as get
+get(sys.argv[2], local_dir=sys.argv[1])" "$1" "$2"
+}
+fetch "$student" Qwen/Qwen2.5-3B-Instruct
+fetch "$teacher" Qwen/Qwen2.5-7B-Instruct
 [ -f "$data/train.parquet" ] || python -m verl_memopd.tasks build --preset 3b --seed 0 --out "$data"
-exec "${cmd[@]}"
+[ "${MEMOPD_PREPARE_ONLY:-0}" = 1 ] || exec "${cmd[@]}"

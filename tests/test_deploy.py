@@ -125,7 +125,8 @@ MATCHED = {
     MAIN: ({}, set()),
     "run_baseline_flat_history.sh": ({}, {"memopd.layout"}),
     "run_baseline_ppo_only.sh": ({}, {"memopd.distill.coef"}),
-    "run_memopd_multinode.sh": ({"RAY_DASHBOARD": "http://127.0.0.1:8265", "NNODES": "2"}, {"trainer.nnodes"}),
+    "run_memopd_multinode.sh": ({"RAY_DASHBOARD": "http://127.0.0.1:8265", "NNODES": "2"},
+                                {"trainer.nnodes", "memopd.teacher.nnodes"}),
 }
 #: differ by design: a run's name and where it writes
 RUN_NAMING = {"trainer.experiment_name", "trainer.default_local_dir"}
