@@ -36,6 +36,7 @@ query segment attends causally, bottom-right aligned, to its gathered keys (see 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -129,6 +130,9 @@ class SegmentMeta:
         max_seqlen_q / max_seqlen_k: longest query / key segment.
         keys_are_queries: (derived) every segment's keys are exactly its queries (no gather needed).
         bounds: (derived) per segment ``(q_start, q_end, k_start, k_end)`` as Python ints.
+
+    Derived values are cached properties, not dataclass fields: tree utilities that rebuild
+    dataclasses with ``dataclasses.replace`` (FSDP2's ``cast_forward_inputs``) see init fields only.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -136,8 +140,6 @@ class SegmentMeta:
     key_index: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
-    keys_are_queries: bool = field(init=False, repr=False)
-    bounds: tuple[tuple[int, int, int, int], ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         cq, ck, ki = self.cu_seqlens_q, self.cu_seqlens_k, self.key_index
@@ -162,9 +164,16 @@ class SegmentMeta:
         if not torch.equal(ki[own_slot], torch.arange(n, device=ki.device)):
             raise LayoutError("SegmentMeta: the last Lq keys of a segment must be its own queries, in order "
                               "(bottom-right causal alignment)")
-        object.__setattr__(self, "keys_are_queries", bool(torch.equal(lq, lk)))
+
+    @cached_property
+    def keys_are_queries(self) -> bool:
+        return bool(torch.equal(self.cu_seqlens_q, self.cu_seqlens_k))
+
+    @cached_property
+    def bounds(self) -> tuple[tuple[int, int, int, int], ...]:
+        cq, ck = self.cu_seqlens_q, self.cu_seqlens_k
         rows = torch.stack([cq[:-1], cq[1:], ck[:-1], ck[1:]], 1).tolist()
-        object.__setattr__(self, "bounds", tuple(tuple(r) for r in rows))
+        return tuple(tuple(r) for r in rows)
 
     @property
     def num_tokens(self) -> int:

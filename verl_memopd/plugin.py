@@ -35,6 +35,11 @@ _register_cpu_engines()
 # verl's agent-loop registry: the memory agent (``agent_name: memopd_memory_agent`` in dataset rows)
 import verl_memopd.agent.loop  # noqa: E402,F401  (registers on import)
 
+# verl's engine registry (memopd_language_model / memopd_value_model / memopd_teacher) and trainer
+# registry (trainer.v1.trainer_mode=memopd)
+import verl_memopd.trainer.engine  # noqa: E402,F401
+import verl_memopd.trainer.ppo  # noqa: E402,F401
+
 
 def registered() -> dict[str, bool]:
     """Which of our registrations are live in this process (for tests and start-up checks)."""
@@ -43,8 +48,13 @@ def registered() -> dict[str, bool]:
 
     from verl_memopd.tasks.dataset import AGENT_NAME
 
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+
     return {
         f"agent_loop:{AGENT_NAME}": AGENT_NAME in _agent_loop_registry,
+        "trainer:memopd": "memopd" in TRAINER_REGISTRY,
+        **{f"engine:{m}": m in EngineRegistry._engines for m in ("memopd_language_model", "memopd_value_model",
+                                                                  "memopd_teacher")},
         "platform:cpu": PlatformRegistry.get("cpu") is PlatformCPU,
         "engine:language_model/fsdp2/cpu": "cpu" in EngineRegistry._engines["language_model"]["fsdp2"],
         "engine:value_model/fsdp2/cpu": "cpu" in EngineRegistry._engines["value_model"]["fsdp2"],

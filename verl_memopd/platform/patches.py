@@ -75,6 +75,60 @@ def patch_verl_gloo_process_group() -> bool:
     return True
 
 
+def patch_verl_fsdp2_offload_pinning() -> bool:
+    """Forward-only FSDP2 engines (reference model, teacher) without pinned memory on CPU.
+
+    Targets verl 0.9.1 (``verl/workers/engine/fsdp/transformer_impl.py``): every forward-only
+    FSDP2 engine gets ``CPUOffloadPolicy(pin_memory=True)``, and pinning needs an accelerator
+    ("Cannot access accelerator device when none is available"). On CPU the parameters already
+    live in host memory, so the policy is kept but without pinning. Returns True if applied.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from verl.workers.engine.fsdp import transformer_impl
+
+    if getattr(transformer_impl.CPUOffloadPolicy, "_memopd_unpinned", False):
+        return False
+
+    def unpinned_offload_policy(pin_memory: bool = True) -> CPUOffloadPolicy:
+        return CPUOffloadPolicy(pin_memory=False)
+
+    unpinned_offload_policy._memopd_unpinned = True
+    transformer_impl.CPUOffloadPolicy = unpinned_offload_policy
+    return True
+
+
 def apply_verl_cpu_patches() -> None:
     """verl-side patches for the ``cpu`` platform (see module docstring)."""
     patch_verl_gloo_process_group()
+    patch_verl_fsdp2_offload_pinning()
+
+
+def patch_verl_valuehead_attention() -> bool:
+    """Let verl's critic load with the configured attention implementation.
+
+    Targets verl 0.9.1 (``verl/utils/model.py``): ``load_valuehead_model`` passes
+    ``attn_implementation="flash_attention_2"`` unconditionally, so a critic cannot run on CPU
+    (no flash-attn) nor with packed attention (HF flash-attn would infer segment boundaries from
+    position ids and let call blocks see each other). With this patch an implementation set in
+    the model config (``critic.model.override_config.attn_implementation``) is used; without
+    one, flash_attention_2 as before. Applied by the memopd critic engine only. Returns True if applied.
+    """
+    import verl.utils.model as model_utils
+
+    original = model_utils.load_valuehead_model
+    if getattr(original, "_memopd_attn", False):
+        return False
+
+    def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
+        from transformers import AutoModelForTokenClassification
+
+        attn = getattr(model_config, "_attn_implementation", None)
+        if not attn or attn == "flash_attention_2":
+            return original(local_path, torch_dtype, model_config, trust_remote_code)
+        return AutoModelForTokenClassification.from_pretrained(
+            pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
+            attn_implementation=attn, trust_remote_code=trust_remote_code)
+
+    load_valuehead_model._memopd_attn = True
+    model_utils.load_valuehead_model = load_valuehead_model
+    return True

@@ -1,0 +1,129 @@
+"""The recipe's ``memopd:`` config tree, mirrored key by key (see hydra_configs/recipe/memopd.yaml).
+
+Everything MemOPD adds to a verl run lives under the top-level ``memopd:`` key (verl's own config
+nodes are dataclass-backed and reject unknown keys). ``from_config`` validates the tree and
+refuses the silent failure mode of Hydra config groups: when the search-path plugin is not
+installed, ``+recipe=memopd`` becomes the plain string ``recipe: memopd`` and verl would train
+without MemOPD.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+#: Layouts the trainer can execute (``verl_memopd.packing``): packed = MemOPD, flat = persistent history.
+TRAINER_LAYOUTS = ("packed", "flat")
+TEACHER_PLACEMENTS = ("separate",)
+TEACHER_MASK_POLICIES = ("action",)
+
+
+class MemopdConfigError(ValueError):
+    """The ``memopd:`` tree (or its interplay with verl's config) is invalid."""
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    """``memopd.teacher``: the teacher model and where it runs.
+
+    path: HF model folder of the teacher (shares the student's tokenizer / vocabulary).
+    placement: ``separate`` -- its own resource pool of ``n_gpus_per_node x nnodes`` (GPUs; on the
+        cpu platform logical GPUs = processes).
+    n_gpus_per_node / nnodes: size of the teacher pool.
+    attn_implementation: attention for the teacher's packed forward (memopd_torch on CPU,
+        memopd_fa2 with flash-attn on CUDA).
+    """
+
+    path: Optional[str] = None
+    placement: str = "separate"
+    n_gpus_per_node: int = 1
+    nnodes: int = 1
+    attn_implementation: str = "memopd_torch"
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """``memopd.distill``: the teacher branch ``lambda * L_OPD`` (``verl_memopd.losses``).
+
+    coef: lambda >= 0; 0 = PPO only (no teacher is started).
+    divergence: reverse_kl (paper) | forward_kl | jsd.  transport: hidden (exact) | topk.
+    teacher_mask: which sampled tokens the teacher supervises; ``action`` = m_T = m_act (paper's main setting).
+    token_clamp: optional cap on each token's divergence.  token_chunk_size: tokens per chunk.
+    """
+
+    coef: float = 1.0
+    divergence: str = "reverse_kl"
+    transport: str = "hidden"
+    teacher_mask: str = "action"
+    token_clamp: Optional[float] = None
+    token_chunk_size: int = 256
+
+
+@dataclass(frozen=True)
+class MemopdConfig:
+    """``memopd``: layout and teacher branch; ``agent`` is read by the memory agent loop itself.
+
+    layout: ``packed`` (MemOPD: restored positions, block visibility) or ``flat`` (the same rows
+        run with positions 0..L-1 and plain causal attention: persistent-history baseline).
+    """
+
+    layout: str = "packed"
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    agent: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.layout not in TRAINER_LAYOUTS:
+            raise MemopdConfigError(f"memopd.layout={self.layout!r}: expected one of {TRAINER_LAYOUTS}")
+        if self.teacher.placement not in TEACHER_PLACEMENTS:
+            raise MemopdConfigError(f"memopd.teacher.placement={self.teacher.placement!r}: expected one of "
+                                    f"{TEACHER_PLACEMENTS}")
+        if self.distill.teacher_mask not in TEACHER_MASK_POLICIES:
+            raise MemopdConfigError(f"memopd.distill.teacher_mask={self.distill.teacher_mask!r}: expected one of "
+                                    f"{TEACHER_MASK_POLICIES}")
+        if self.distill.coef < 0:
+            raise MemopdConfigError(f"memopd.distill.coef={self.distill.coef} must be >= 0")
+        if self.distill.coef > 0:
+            if not self.teacher.path:
+                raise MemopdConfigError("memopd.teacher.path is not set but memopd.distill.coef > 0: set the teacher "
+                                        "model folder, or memopd.distill.coef=0 for PPO only")
+            if not (Path(self.teacher.path).expanduser() / "config.json").is_file():
+                raise MemopdConfigError(f"memopd.teacher.path={self.teacher.path}: no model there (no config.json)")
+            from verl_memopd.losses.divergences import get_divergence
+            from verl_memopd.supervision import get_transport
+
+            get_divergence(self.distill.divergence), get_transport(self.distill.transport)  # unknown names raise
+
+    @property
+    def uses_teacher(self) -> bool:
+        return self.distill.coef > 0
+
+
+def _build(cls, node: Any, where: str):
+    known = {f.name: f for f in fields(cls)}
+    data = dict(node or {})
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise MemopdConfigError(f"{where}: unknown key(s) {unknown}; valid keys: {sorted(known)}")
+    kwargs = {}
+    for name, value in data.items():
+        sub = {"teacher": TeacherConfig, "distill": DistillConfig}.get(name) if cls is MemopdConfig else None
+        kwargs[name] = _build(sub, value, f"{where}.{name}") if sub else value
+    return cls(**kwargs)
+
+
+def from_config(config: DictConfig) -> MemopdConfig:
+    """Validate and return ``config.memopd``; refuse a recipe that did not resolve."""
+    recipe = config.get("recipe") if isinstance(config, DictConfig) else None
+    if isinstance(recipe, str):
+        raise MemopdConfigError(
+            f"`+recipe={recipe}` became the plain string key `recipe: {recipe}`: Hydra did not find "
+            f"recipe/{recipe}.yaml. Is verl-memopd installed in this environment (pip show verl-memopd), "
+            f"with its Hydra plugin (hydra_plugins/verl_memopd)?")
+    node = config.get("memopd")
+    if node is None:
+        raise MemopdConfigError("trainer.v1.trainer_mode=memopd needs the memopd: tree; add +recipe=memopd")
+    return _build(MemopdConfig, OmegaConf.to_container(node, resolve=True), "memopd")

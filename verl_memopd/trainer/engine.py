@@ -1,0 +1,145 @@
+"""FSDP engines that execute MemOPD rows: restored positions and call-block visibility.
+
+verl's FSDP engines run each micro-batch through the HF model with plain causal attention.
+These subclasses (registered in verl's ``EngineRegistry``, selected by model type) build the
+packed-attention metadata from the row's ``memopd_segment_ids`` (restored by
+``verl_memopd.trainer.rows``) and pass it to the ``memopd_*`` attention implementation
+(``verl_memopd.attention``); everything else -- log-probs, entropy, values, FSDP -- is verl's.
+
+    memopd_language_model  actor / ref: + full-vocabulary logits for the OPD loss when asked
+    memopd_value_model     critic
+    memopd_teacher         teacher worker group: final post-norm hidden states at m_T positions
+
+Both of verl's micro-batch paths are supported: remove-padding (one ``(1, N)`` token stream)
+and padded ``(B, L)`` (right-padded rows; padding runs are isolated segments). Ulysses
+sequence parallelism is refused (its slicing does not know the segments).
+"""
+
+from __future__ import annotations
+
+import torch
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+
+from verl_memopd.attention import PackedAttentionError, require_packed_attention
+from verl_memopd.losses.actor import TEACHER_MASK, assign_global_teacher_counts
+from verl_memopd.platform.patches import patch_verl_valuehead_attention
+from verl_memopd.packing import SegmentMeta, padded_batch_segments, segment_meta
+from verl_memopd.trainer.rows import SEGMENT_IDS
+
+STUDENT_LOGITS = "memopd_logits"
+TEACHER_HIDDEN = "memopd_teacher_hidden"
+_DEVICES = ["cuda", "npu", "cpu"]
+_BACKENDS = ["fsdp", "fsdp2"]
+
+
+def micro_batch_segments(micro_batch, use_remove_padding: bool) -> SegmentMeta:
+    """Attention metadata of a verl NO_PADDING micro-batch (jagged rows) for either forward path."""
+    if SEGMENT_IDS not in micro_batch.keys():
+        raise PackedAttentionError(f"micro-batch has no {SEGMENT_IDS}: memopd engines run under the memopd trainer "
+                                   f"(trainer.v1.trainer_mode=memopd), which restores every row's layout")
+    seg, pos = micro_batch[SEGMENT_IDS], micro_batch["position_ids"]
+    lengths = seg.offsets().diff()
+    if use_remove_padding:
+        rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+        return segment_meta(seg.values(), rows, pos.values())
+    width = int(lengths.max())
+    shape = (lengths.numel(), width)
+    mask = torch.arange(width, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
+    return padded_batch_segments(torch.nested.to_padded_tensor(seg, 0, shape), mask.long(),
+                                 torch.nested.to_padded_tensor(pos, 0, shape))
+
+
+class _PackedRows:
+    """Mixin: packed attention for every forward of a verl FSDP engine.
+
+    The registry key (``memopd_*``) selects the engine; verl's FSDP engine then reads
+    ``model_config.model_type`` to choose the HF model class, so it gets verl's own type back.
+    """
+
+    base_model_type = "language_model"
+
+    def __init__(self, *args, model_config, **kwargs):
+        model_config.model_type = self.base_model_type
+        super().__init__(*args, model_config=model_config, **kwargs)
+
+    def initialize(self):
+        super().initialize()
+        if self.use_ulysses_sp:
+            raise PackedAttentionError("memopd engines do not support Ulysses sequence parallelism yet "
+                                       "(ulysses_sequence_parallel_size must be 1)")
+        require_packed_attention(self.module)  # never let call blocks see each other
+
+    def prepare_model_inputs(self, micro_batch):
+        model_inputs, output_args = super().prepare_model_inputs(micro_batch)
+        use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
+        meta = micro_batch_segments(micro_batch, use_rmpad)
+        model_inputs["memopd_segments"] = meta.to(model_inputs["input_ids"].device)
+        model_inputs["attention_mask"] = None  # visibility is the segments' (padding runs are isolated)
+        return model_inputs, output_args
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        if not forward_only and TEACHER_MASK in data.keys():
+            # L_OPD is normalised by the teacher tokens of the whole mini-batch on all DP ranks
+            assign_global_teacher_counts(data, self.get_data_parallel_group())
+        return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+
+
+def _jagged_like(values_bl: torch.Tensor, micro_batch, use_rmpad: bool) -> torch.Tensor:
+    """(1, N, ...) stream or (B, L, ...) padded model output -> jagged (B, L_b*, ...) like ``input_ids``."""
+    offsets = micro_batch["input_ids"].offsets()
+    if use_rmpad:
+        flat = values_bl.squeeze(0)[: int(offsets[-1])]
+    else:
+        lengths = offsets.diff()
+        keep = torch.arange(values_bl.shape[1], device=values_bl.device).unsqueeze(0) < lengths.unsqueeze(1)
+        flat = values_bl[keep]
+    return torch.nested.nested_tensor_from_jagged(flat, offsets)
+
+
+@EngineRegistry.register(model_type="memopd_language_model", backend=_BACKENDS, device=_DEVICES)
+class MemopdLMEngine(_PackedRows, FSDPEngineWithLMHead):
+    """Actor / reference engine. Adds ``memopd_logits`` (B, L*, V) to the model output when the
+    loss function asks for it (``wants_student_logits``): the exact full-vocabulary student
+    distribution the OPD divergence needs, aligned like verl's ``log_probs``."""
+
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+        model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
+        if getattr(logits_processor_func, "wants_student_logits", False):
+            use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
+            model_output[STUDENT_LOGITS] = _jagged_like(output.logits, micro_batch, use_rmpad)
+        return model_output
+
+
+@EngineRegistry.register(model_type="memopd_value_model", backend=_BACKENDS, device=_DEVICES)
+class MemopdValueEngine(_PackedRows, FSDPEngineWithValueHead):
+    """Critic engine: verl's value head on the packed layout."""
+
+    base_model_type = "value_model"
+
+    def initialize(self):
+        patch_verl_valuehead_attention()  # verl 0.9.1 forces flash_attention_2 for value models
+        super().initialize()
+
+
+@EngineRegistry.register(model_type="memopd_teacher", backend=_BACKENDS, device=_DEVICES)
+class MemopdTeacherEngine(_PackedRows, FSDPEngineWithLMHead):
+    """Teacher engine (forward only): returns ``memopd_teacher_hidden`` (B, A_b*, H), the final
+    post-norm hidden states at the positions that predict each row's teacher-supervised tokens
+    (response token j is predicted at sequence position P_b + j - 1), in order."""
+
+    def prepare_model_inputs(self, micro_batch):
+        model_inputs, output_args = super().prepare_model_inputs(micro_batch)
+        model_inputs["output_hidden_states"] = True
+        model_inputs["logits_to_keep"] = 1  # the teacher's logits are computed by the actor, from these states
+        return model_inputs, output_args
+
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+        use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
+        hidden = _jagged_like(output.hidden_states[-1], micro_batch, use_rmpad)
+        rows = []
+        for h, m in zip(hidden.unbind(), micro_batch[TEACHER_MASK].unbind()):
+            start = h.shape[0] - m.shape[0] - 1  # position P_b - 1 predicts response token 0
+            rows.append(h[start + torch.nonzero(m, as_tuple=True)[0]])
+        return {TEACHER_HIDDEN: torch.nested.as_nested_tensor(rows, layout=torch.jagged)}

@@ -1,0 +1,40 @@
+"""The actor loss MemOPD installs on verl's actor: ``L_PPO - alpha*H + lambda*L_OPD``.
+
+A picklable callable (sent once to every actor worker with verl's ``set_loss_fn``) around
+:func:`verl_memopd.losses.actor.memopd_actor_loss`. It holds the frozen teacher output head,
+loaded lazily in the worker from the teacher's files, and asks the engine for the student's
+full-vocabulary logits (``wants_student_logits``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from verl_memopd.losses.actor import TEACHER_HEAD, OPDLossConfig, memopd_actor_loss
+from verl_memopd.trainer.teacher import load_output_head
+
+
+class MemopdActorLoss:
+    """verl actor-loss hook: ``loss_fn(model_output=..., data=..., dp_group=...) -> (loss, metrics)``."""
+
+    def __init__(self, actor_config, opd_config: OPDLossConfig, teacher_path: Optional[str]):
+        self.actor_config = actor_config
+        self.opd_config = opd_config
+        self.teacher_path = teacher_path
+        self.wants_student_logits = opd_config.coef > 0
+        self._teacher_head: Optional[torch.Tensor] = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_teacher_head": None}  # ship the path, not the weight
+
+    def teacher_head(self, device) -> torch.Tensor:
+        if self._teacher_head is None:
+            self._teacher_head = load_output_head(self.teacher_path).float().requires_grad_(False)
+        return self._teacher_head.to(device)
+
+    def __call__(self, model_output: dict, data, dp_group=None):
+        if self.opd_config.coef > 0 and self.opd_config.transport == "hidden":
+            model_output = {**model_output, TEACHER_HEAD: self.teacher_head(data["responses"].device)}
+        return memopd_actor_loss(self.actor_config, self.opd_config, model_output, data, dp_group=dp_group)

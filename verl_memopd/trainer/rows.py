@@ -1,0 +1,57 @@
+"""Restore every row's MemOPD layout in TransferQueue before the first forward of a step.
+
+verl's V1 agent-loop worker stores each row with ``position_ids = 0..L-1`` (it recomputes them
+from the attention mask) and keeps the agent's ``extra_fields`` as they came. The memory agent
+records the exact layout there (``verl_memopd.agent.loop``); :func:`restore_layout` rewrites,
+for the step's keys, the fields every later forward reads (actor, ref, critic, teacher)::
+
+    position_ids          (P + R,) restored positions      | flat layout: 0..P+R-1 (verl's own)
+    memopd_segment_ids    (P + R,) 0 = q, t+1 = call t      | flat layout: all 0 (one causal segment)
+    memopd_teacher_mask   (R,) m_T per response token
+    memopd_call_index     (R,) call t of each response token (per-invocation metrics)
+"""
+
+from __future__ import annotations
+
+import torch
+import transfer_queue as tq
+from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+from verl_memopd.agent.loop import EXTRA_POSITION_IDS, EXTRA_SEGMENT_IDS, EXTRA_TEACHER_MASK
+from verl_memopd.losses.actor import CALL_INDEX, TEACHER_MASK
+
+SEGMENT_IDS = "memopd_segment_ids"
+
+
+class MemopdRowError(ValueError):
+    """A row that does not carry a MemOPD episode layout."""
+
+
+def layout_fields(prompt_len: int, response_len: int, extra: dict, layout: str, where: str) -> dict:
+    """The restored fields of one row (``extra``: its agent-loop ``extra_fields``) under ``layout``."""
+    missing = [k for k in (EXTRA_POSITION_IDS, EXTRA_SEGMENT_IDS, EXTRA_TEACHER_MASK) if k not in extra]
+    if missing:
+        raise MemopdRowError(f"{where}: no {missing} in extra_fields; MemOPD rows come from the memory agent "
+                             f"(agent_name memopd_memory_agent) or another agent that records its episode")
+    p, r = prompt_len, response_len
+    segments = torch.tensor(extra[EXTRA_SEGMENT_IDS], dtype=torch.int64)
+    positions = torch.tensor(extra[EXTRA_POSITION_IDS], dtype=torch.int64)
+    teacher_mask = torch.tensor(extra[EXTRA_TEACHER_MASK], dtype=torch.int64)
+    if segments.numel() != p + r or positions.numel() != p + r or teacher_mask.numel() != r:
+        raise MemopdRowError(f"{where}: layout lengths (positions {positions.numel()}, segments {segments.numel()}, "
+                             f"teacher mask {teacher_mask.numel()}) do not match prompt {p} + response {r}")
+    calls = (segments[p:] - 1).clamp(min=0)
+    if layout == "flat":
+        positions, segments = torch.arange(p + r), torch.zeros(p + r, dtype=torch.int64)
+    return {"position_ids": positions, SEGMENT_IDS: segments, TEACHER_MASK: teacher_mask, CALL_INDEX: calls}
+
+
+def restore_layout(batch, layout: str) -> None:
+    """Rewrite the layout fields of ``batch`` (a KVBatchMeta of the step) in TransferQueue."""
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                           select_fields=["prompts", "responses", "extra_fields"])
+    rows = []
+    for key, prompt, response, extra in zip(batch.keys, data["prompts"].unbind(), data["responses"].unbind(),
+                                            data["extra_fields"]):
+        rows.append(layout_fields(prompt.numel(), response.numel(), extra, layout, f"row {key}"))
+    tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=list_of_dict_to_tensordict(rows))

@@ -1,0 +1,102 @@
+"""The teacher worker group: a forward-only verl ``TrainingWorker`` on the packed layout.
+
+It runs the teacher through verl's own worker/engine machinery (FSDP, the ``memopd_teacher``
+engine of :mod:`verl_memopd.trainer.engine`), so it scores exactly the rows -- positions and
+call-block visibility -- that the actor trains on, and writes ``memopd_teacher_hidden`` (the
+``hidden`` transport: final hidden states at m_T positions, (B, A_b*, H)) to TransferQueue.
+The actor turns them into exact full-vocabulary teacher log-probs with a frozen copy of the
+teacher's output head (:func:`load_output_head`); no ``[tokens, vocab]`` logits cross workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from copy import deepcopy
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config import HFModelConfig, TrainingWorkerConfig
+from verl.workers.engine_workers import TrainingWorker
+
+from verl_memopd.supervision import VocabSpec, check_vocab_agreement
+from verl_memopd.trainer.config import MemopdConfig
+
+TEACHER_MODEL_TYPE = "memopd_teacher"
+
+
+class MemopdCriticWorker(TrainingWorker):
+    """verl's critic ``TrainingWorker`` on the ``memopd_value_model`` engine (packed layout).
+
+    verl 0.9.1 hard-codes ``model_type="value_model"`` for the critic in the trainer's setup;
+    the trainer maps Role.Critic to this class instead.
+    """
+
+    def __init__(self, config: TrainingWorkerConfig):
+        super().__init__(dataclasses.replace(config, model_type="memopd_value_model"))
+
+
+class MemopdTeacherWorker(TrainingWorker):
+    """Forward-only teacher (``infer_batch`` writes ``memopd_teacher_hidden``)."""
+
+
+def teacher_worker_config(config: DictConfig, memopd: MemopdConfig) -> TrainingWorkerConfig:
+    """verl's worker config for the teacher: the actor's model settings with the teacher's path,
+    the reference model's forward-only FSDP engine settings, no optimizer."""
+    model_node = deepcopy(config.actor_rollout_ref.model)
+    with open_dict(model_node):
+        model_node.path = memopd.teacher.path
+        model_node.tokenizer_path = None
+        model_node.model_type = TEACHER_MODEL_TYPE
+        model_node.override_config = OmegaConf.merge(
+            model_node.get("override_config", {}), {"attn_implementation": memopd.teacher.attn_implementation})
+        model_node.lora = {"rank": 0} if "lora" in model_node else model_node.get("lora")
+        model_node.lora_rank = 0
+    model_config = omega_conf_to_dataclass(model_node, dataclass_type=HFModelConfig)
+    engine_config = omega_conf_to_dataclass(config.actor_rollout_ref.ref.fsdp_config)
+    engine_config.forward_only = True
+    engine_config.use_remove_padding = bool(config.actor_rollout_ref.model.get("use_remove_padding", False))
+    engine_config.infer_micro_batch_size_per_gpu = config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+    engine_config.infer_max_token_len_per_gpu = config.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu
+    engine_config.use_dynamic_bsz = bool(config.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz)
+    return TrainingWorkerConfig(model_type=TEACHER_MODEL_TYPE, model_config=model_config,
+                                engine_config=engine_config, optimizer_config=None, checkpoint_config=None)
+
+
+def _vocab_spec(name: str, path: str) -> VocabSpec:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except OSError:
+        generation = None
+    return VocabSpec.from_hf(name, tokenizer, AutoConfig.from_pretrained(path), generation)
+
+
+def check_teacher_compatible(student_path: str, teacher_path: str) -> int:
+    """Start-up check: student and teacher share tokenizer length and special ids; returns V."""
+    return check_vocab_agreement(_vocab_spec("student", student_path), _vocab_spec("teacher", teacher_path))
+
+
+def load_output_head(path: str) -> torch.Tensor:
+    """The teacher's output head weight (V_rows, H) from its safetensors, without loading the model."""
+    from safetensors import safe_open
+
+    folder = Path(path).expanduser()
+    index = folder / "model.safetensors.index.json"
+    tied = json.loads((folder / "config.json").read_text()).get("tie_word_embeddings", False)
+    names = ["model.embed_tokens.weight"] if tied else ["lm_head.weight"]
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({weight_map[n] for n in names if n in weight_map})
+    else:
+        files = ["model.safetensors"]
+    for file in files:
+        with safe_open(str(folder / file), framework="pt") as f:
+            for name in names:
+                if name in f.keys():
+                    return f.get_tensor(name)
+    raise FileNotFoundError(f"{path}: no {names[0]} in its safetensors files")
