@@ -143,27 +143,14 @@ def recipe_overrides(script: str, env: dict | None = None) -> list[str]:
     return args[args.index("verl.trainer.main_ppo") + 1:]
 
 
-def _recipe_is_placeholder() -> bool:
-    from omegaconf import OmegaConf
-
-    tree = OmegaConf.load(REPO / "hydra_configs" / "recipe" / "memopd.yaml").get("memopd") or {}
-    return set(tree) <= {"layout"}
-
-
 def compose_recipe(script: str, env: dict | None = None):
     """verl's ppo_trainer config with the script's overrides, composed as main_ppo would (search path included)."""
     from hydra import compose, initialize_config_module
-    from hydra.errors import ConfigCompositionException
 
     overrides = recipe_overrides(script, env)
     assert "+recipe=memopd" in overrides
-    try:
-        with initialize_config_module(config_module="verl.trainer.config", version_base=None):
-            return compose(config_name="ppo_trainer", overrides=overrides)
-    except ConfigCompositionException as e:
-        if _recipe_is_placeholder() and "memopd." in str(e.__cause__ or e):
-            pytest.xfail(f"hydra_configs/recipe/memopd.yaml is still the placeholder (issue 6): {e.__cause__ or e}")
-        raise
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        return compose(config_name="ppo_trainer", overrides=overrides)
 
 
 def _flat(cfg) -> dict:
