@@ -12,7 +12,7 @@
 # Runs 3 steps of `python -m verl.trainer.main_ppo +recipe=memopd +profile=cpu`: vLLM-CPU rollouts of the
 #   memory agent, teacher scoring of the packed episodes, FSDP2 updates; bounded by MEMOPD_TIMEOUT_S (1800).
 # Expect: ~5-10 min; per-step console lines with finite actor/critic/memopd metrics, then validation F1
-#   (val-core/memopd_memory/reward/mean@1; near 0 for untrained tiny models). Extra arguments are Hydra
+#   (val-core/memopd_memory/tiny/reward/mean@1; near 0 for untrained tiny models). Extra arguments are Hydra
 #   overrides (e.g. memopd.layout=flat, memopd.distill.coef=0 for the baselines).
 set -euo pipefail
 out="${MEMOPD_SMOKE_DIR:-runs/memopd_cpu_smoke}"

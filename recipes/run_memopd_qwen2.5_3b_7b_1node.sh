@@ -6,7 +6,7 @@
 #   MEMOPD_DRY_RUN=1 bash recipes/run_memopd_qwen2.5_3b_7b_1node.sh       print the command, one argument per
 #                                                                          line, and run nothing
 #   MEMOPD_PREPARE_ONLY=1 bash recipes/run_memopd_qwen2.5_3b_7b_1node.sh  fetch the models, build the data, stop
-# Hardware: 1 node, 8x 80 GB GPUs (A100/H100/H200), ~200 GB host RAM, ~40 GB disk for the two models.
+# Hardware: 1 node, 8x 80 GB GPUs (A100/H100/H200), ~200 GB host RAM, ~25 GB disk for the two models.
 #   6 GPUs (trainer.n_gpus_per_node): the FSDP-sharded 3B actor, critic and reference, and one vLLM replica of
 #   the student per GPU (TP 1, 40% of its memory). 2 GPUs (memopd.teacher.n_gpus_per_node): the 7B teacher's
 #   own resource pool (forward only, bf16 FSDP, ~8 GB of weights per GPU). TEACHER_GPUS_PER_NODE moves the split.
@@ -18,7 +18,7 @@
 #   TEACHER_GPUS_PER_NODE (2), EXPERIMENT, CKPT_DIR; extra arguments are Hydra overrides and win over
 #   everything above (recipes/run_baseline_*.sh are this script plus one override, so all else stays matched).
 # Expect (not yet run on GPUs by this project -- the numbers are the paper's): per-step metrics on the
-#   console; validation F1 (val-core/memopd_memory/reward/mean@1) rising over the first ~100 steps and the
+#   console; validation F1 (val-core/memopd_memory/3b/reward/mean@1) rising over the first ~100 steps and the
 #   teacher KL (memopd/*) falling; at the end, MemOPD's F1 above the flat-history baseline (paper: +7.0% F1)
 #   and far above PPO alone (paper: up to +416%). Packing cuts actor time (paper: up to 1.63x); check the
 #   GPU path first with `python -m verl_memopd.gpucheck`.
