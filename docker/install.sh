@@ -28,6 +28,9 @@ case "$stack" in
     $pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
     ;;
   gpu)
+    # flash-attn's build imports torch: install torch first, then build flash-attn against it
+    $pip install "torch==2.11.0"
+    $pip install --no-build-isolation "flash-attn==2.8.3"
     $pip install $(project gpu)
     ;;
   *) echo "unknown stack '$stack' (expected cpu or gpu)" >&2; exit 2 ;;

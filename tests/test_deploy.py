@@ -130,7 +130,7 @@ MATCHED = {
 }
 #: differ by design: a run's name and where it writes
 RUN_NAMING = {"trainer.experiment_name", "trainer.default_local_dir"}
-COMPOSED = [*MATCHED, "run_memopd_cpu_smoke.sh"]
+COMPOSED = [*MATCHED, "quickstart_cpu.sh"]
 
 
 def recipe_overrides(script: str, env: dict | None = None) -> list[str]:

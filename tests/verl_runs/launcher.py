@@ -77,10 +77,17 @@ def cpu_env(workdir: Path) -> dict[str, str]:
 
 def run_main_ppo(overrides: list[str], workdir: Path, timeout_s: float, env: dict | None = None) -> VerlRun:
     """Run verl's trainer with ``overrides`` in ``workdir``; never outlives ``timeout_s``."""
+    return run_command([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], workdir, timeout_s, env)
+
+
+def run_command(cmd: list[str], workdir: Path, timeout_s: float, env: dict | None = None) -> VerlRun:
+    """Run a command that starts verl (``main_ppo`` or a recipe script) in ``workdir``, bounded.
+
+    On timeout the whole process group is killed: the driver and the local Ray cluster it started
+    (``ray stop`` is not used, it would stop every Ray instance on the machine)."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = env or cpu_env(workdir)
     os.makedirs(env["RAY_TMPDIR"], exist_ok=True)
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -92,8 +99,5 @@ def run_main_ppo(overrides: list[str], workdir: Path, timeout_s: float, env: dic
         out, _ = proc.communicate()
         rc = -9
         out += f"\n[launcher] killed after {timeout_s:.0f}s timeout\n"
-        # the killed driver could not shut down the Ray cluster it started
-        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
     (workdir / "main_ppo.log").write_text(out)
     return VerlRun(returncode=rc, wall_s=time.monotonic() - start, log=out, steps=parse_steps(out))

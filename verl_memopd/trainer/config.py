@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 #: Layouts the trainer can execute (``verl_memopd.packing``): packed = MemOPD, flat = persistent history.
@@ -127,3 +128,17 @@ def from_config(config: DictConfig) -> MemopdConfig:
     if node is None:
         raise MemopdConfigError("trainer.v1.trainer_mode=memopd needs the memopd: tree; add +recipe=memopd")
     return _build(MemopdConfig, OmegaConf.to_container(node, resolve=True), "memopd")
+
+
+class RecipeCheck(Callback):
+    """Hydra callback (``hydra.callbacks`` in the recipe): validate ``memopd:`` before Ray starts.
+
+    Hydra 1.3 turns exceptions raised by callbacks into warnings, so a failed check exits the
+    process (``SystemExit`` carries the message to stderr, status 1).
+    """
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            from_config(config)
+        except MemopdConfigError as e:
+            raise SystemExit(f"[verl-memopd] {e}") from None
