@@ -447,38 +447,6 @@ def test_vllm_rollout_throughput(vllm_runs, capsys):
     assert sampled > 0 and all(0.0 <= e.reward <= 1.0 for e in episodes)
 
 
-@pytest.mark.slow
-def test_memory_agent_rows_train_through_stock_verl_grpo(tiny_models, tmp_path):
-    """2 GRPO steps of stock ``main_ppo`` (V1 trainer, TransferQueue agent loop) on benchmark rows."""
-    from verl_runs.launcher import non_finite, run_main_ppo
-
-    from verl_memopd.tasks.dataset import write_rows
-
-    for split, n in (("train", 8), ("val", 4)):
-        write_rows([_row(i) for i in range(n)], tmp_path / f"{split}.parquet")
-    loops = tmp_path / "agent_loops.yaml"  # registers the loop in verl's workers by import path
-    loops.write_text(f"- name: {AGENT_NAME}\n  _target_: verl_memopd.agent.loop.MemoryAgentLoop\n")
-    rollout = [f"actor_rollout_ref.rollout.{k}" for k in (
-        "n=2", "prompt_length=128", "response_length=1024", "max_model_len=512", "max_num_seqs=8",
-        "max_num_batched_tokens=1024", "log_prob_micro_batch_size_per_gpu=4", f"agent.agent_loop_config_path={loops}")]
-    run = run_main_ppo([
-        "+profile=cpu", "algorithm.adv_estimator=grpo", f"data.train_files={tmp_path / 'train.parquet'}",
-        f"data.val_files={tmp_path / 'val.parquet'}", "data.train_batch_size=2", "data.max_prompt_length=128",
-        "data.max_response_length=1024", f"actor_rollout_ref.model.path={tiny_models.student}", *rollout,
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "actor_rollout_ref.actor.use_kl_loss=false", *(f"+memopd.agent.{k}={v}" for k, v in VLLM_BUDGETS.items()),
-        "trainer.total_training_steps=2", "trainer.val_before_train=true", "trainer.test_freq=-1",
-        "trainer.save_freq=-1", "trainer.project_name=memopd_agent", "trainer.experiment_name=grpo_memory_agent",
-    ], tmp_path / "run", 900)
-    assert run.returncode == 0, run.tail()
-    assert sorted(run.steps) == [0, 1, 2], run.tail()
-    calls = get_preset("tiny").config.n_chunks + 1
-    assert run.steps[0]["val-aux/num_turns/mean"] == 2 * calls  # validation ran the memory agent
-    assert 0.0 <= run.steps[0]["val-aux/memopd_memory/tiny/f1/mean@1"] <= 1.0  # our reward_extra_info reached verl
-    for step in (1, 2):
-        assert not non_finite(run.steps[step]), f"step {step}: non-finite {non_finite(run.steps[step])}"
-
-
 if __name__ == "__main__":
     import sys
 
