@@ -30,9 +30,11 @@ import json
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping, Optional
+from typing import Any, ClassVar, Mapping, Optional
 
 import torch
+
+from verl_memopd.registry import Registry
 
 __all__ = [
     "SupervisionError",
@@ -232,27 +234,13 @@ class Transport(ABC):
         return [payload[k] for k in self.payload_keys]
 
 
-TRANSPORTS: dict[str, Callable[..., Transport]] = {}
-
-
-def register_transport(name: str) -> Callable[[type], type]:
-    """Class decorator: register a Transport under ``name``; duplicate names are refused."""
-
-    def decorator(cls: type) -> type:
-        if name in TRANSPORTS:
-            raise ValueError(f"transport {name!r} is already registered ({TRANSPORTS[name]})")
-        cls.name = name
-        TRANSPORTS[name] = cls
-        return cls
-
-    return decorator
+TRANSPORTS = Registry("supervision transport")
+register_transport = TRANSPORTS.register
 
 
 def get_transport(name: str, **options: Any) -> Transport:
     """Build the transport registered as ``name`` (options: e.g. ``k`` for topk)."""
-    if name not in TRANSPORTS:
-        raise ValueError(f"unknown supervision transport {name!r}; valid transports: {sorted(TRANSPORTS)}")
-    return TRANSPORTS[name](**options)
+    return TRANSPORTS.build(name, **options)
 
 
 @register_transport("hidden")

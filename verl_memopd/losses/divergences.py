@@ -25,10 +25,12 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
+
+from verl_memopd.registry import Registry
 
 __all__ = ["Divergence", "DIVERGENCES", "register_divergence", "get_divergence"]
 
@@ -50,27 +52,13 @@ class Divergence(ABC):
         """student_logp, teacher_logp: (A, V) full log-probs -> (A,) divergence (autograd-friendly)."""
 
 
-DIVERGENCES: dict[str, Callable[..., Divergence]] = {}
-
-
-def register_divergence(name: str) -> Callable[[type], type]:
-    """Class decorator: register a Divergence under ``name``; duplicate names are refused."""
-
-    def decorator(cls: type) -> type:
-        if name in DIVERGENCES:
-            raise ValueError(f"divergence {name!r} is already registered ({DIVERGENCES[name]})")
-        cls.name = name
-        DIVERGENCES[name] = cls
-        return cls
-
-    return decorator
+DIVERGENCES = Registry("divergence")
+register_divergence = DIVERGENCES.register
 
 
 def get_divergence(name: str, **params: Any) -> Divergence:
     """Build the divergence registered as ``name`` (``params``: e.g. ``beta`` for jsd)."""
-    if name not in DIVERGENCES:
-        raise ValueError(f"unknown divergence {name!r}; valid divergences: {sorted(DIVERGENCES)}")
-    return DIVERGENCES[name](**params)
+    return DIVERGENCES.build(name, **params)
 
 
 def _weighted_log_ratio(logp: torch.Tensor, log_other: torch.Tensor, prob: torch.Tensor) -> torch.Tensor:
