@@ -21,7 +21,8 @@ from verl_runs.launcher import cpu_env, non_finite, run_command
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "quickstart_cpu.sh"
 MEMOPD_METRICS = ("actor/memopd/distill_loss", "actor/memopd/reverse_kl", "actor/memopd/reverse_kl_call/0",
-                  "timing_s/teacher", "critic/vf_loss")
+                  "memopd/tokens_saved_by_shared_prefix", "memopd/calls_per_episode", "timing_s/teacher",
+                  "critic/vf_loss")
 
 
 def _quickstart(workdir: Path, *overrides: str, timeout_s: float = 900):
@@ -41,6 +42,7 @@ def test_memopd_trains_checkpoints_and_resumes(tmp_path):
         missing = [k for k in MEMOPD_METRICS if k not in metrics]
         assert not missing, f"step {step}: missing {missing}"
         assert metrics["actor/memopd/reverse_kl"] > 0
+        assert 0 < metrics["memopd/tokens_saved_by_shared_prefix"] < 1
         # packed rows reproduce every call's rollout state: trainer log-probs == vLLM's
         assert metrics["training/rollout_probs_diff_max"] < 1e-3, metrics["training/rollout_probs_diff_max"]
     assert "val-core/memopd_memory/tiny/reward/mean@1" in run.steps[2]
@@ -50,7 +52,8 @@ def test_memopd_trains_checkpoints_and_resumes(tmp_path):
         f"{k}={run.steps[2][k]:.4g}" for k in ("timing_s/gen", "timing_s/teacher", "timing_s/old_log_prob",
                                                "timing_s/values", "timing_s/update_critic",
                                                "timing_s/update_actor", "timing_s/step",
-                                               "actor/memopd/reverse_kl", "actor/perf/cpu_memory_used_gb")))
+                                               "actor/memopd/reverse_kl", "memopd/tokens_saved_by_shared_prefix",
+                                               "memopd/calls_per_episode", "actor/perf/cpu_memory_used_gb")))
 
     resumed = _quickstart(tmp_path, "trainer.total_training_steps=3", "trainer.save_freq=-1",
                           "trainer.test_freq=-1", "trainer.resume_mode=auto")

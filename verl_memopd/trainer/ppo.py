@@ -87,7 +87,7 @@ class MemopdTrainer(PPOTrainerSync):
     # --- one step ---------------------------------------------------------------------------
     def _compute_old_log_prob(self, batch, metrics):
         with marked_timer("memopd_layout", self.timing_raw, color="white"):
-            restore_layout(batch, self.memopd.layout)
+            metrics.update(restore_layout(batch, self.memopd.layout))
         batch = super()._compute_old_log_prob(batch, metrics)
         if self.teacher_wg is not None:
             with marked_timer("teacher", self.timing_raw, color="purple"):

@@ -9,6 +9,9 @@ for the step's keys, the fields every later forward reads (actor, ref, critic, t
     memopd_segment_ids    (P + R,) 0 = q, t+1 = call t      | flat layout: all 0 (one causal segment)
     memopd_teacher_mask   (R,) m_T per response token
     memopd_call_index     (R,) call t of each response token (per-invocation metrics)
+
+It also reports what sharing ``q`` saves: the packed row holds ``P + R`` tokens, running the calls
+one by one would take ``sum_t (|prompt_t| + |response_t|)`` (``memopd/*`` metrics of the step).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 import transfer_queue as tq
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
-from verl_memopd.agent.loop import EXTRA_POSITION_IDS, EXTRA_SEGMENT_IDS, EXTRA_TEACHER_MASK
+from verl_memopd.agent.loop import EXTRA_EPISODE, EXTRA_POSITION_IDS, EXTRA_SEGMENT_IDS, EXTRA_TEACHER_MASK
 from verl_memopd.losses.actor import CALL_INDEX, TEACHER_MASK
 
 SEGMENT_IDS = "memopd_segment_ids"
@@ -46,12 +49,28 @@ def layout_fields(prompt_len: int, response_len: int, extra: dict, layout: str, 
     return {"position_ids": positions, SEGMENT_IDS: segments, TEACHER_MASK: teacher_mask, CALL_INDEX: calls}
 
 
-def restore_layout(batch, layout: str) -> None:
-    """Rewrite the layout fields of ``batch`` (a KVBatchMeta of the step) in TransferQueue."""
+def sharing_metrics(rows: list[tuple[int, dict]]) -> dict[str, float]:
+    """``memopd/*`` token accounting of a step: ``rows`` = (packed length P + R, extra_fields) per row."""
+    packed = sum(n for n, _ in rows)
+    calls = [inv for _, extra in rows for inv in extra[EXTRA_EPISODE]["invocations"]]
+    per_call = sum(len(inv["prompt_ids"]) + len(inv["response_ids"]) for inv in calls)
+    return {
+        "memopd/calls_per_episode": len(calls) / len(rows),
+        "memopd/packed_tokens_per_episode": packed / len(rows),
+        "memopd/per_call_tokens_per_episode": per_call / len(rows),
+        "memopd/tokens_saved_by_shared_prefix": 1.0 - packed / per_call,
+    }
+
+
+def restore_layout(batch, layout: str) -> dict[str, float]:
+    """Rewrite the layout fields of ``batch`` (a KVBatchMeta of the step) in TransferQueue;
+    returns the step's :func:`sharing_metrics`."""
     data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                            select_fields=["prompts", "responses", "extra_fields"])
-    rows = []
+    rows, lengths = [], []
     for key, prompt, response, extra in zip(batch.keys, data["prompts"].unbind(), data["responses"].unbind(),
                                             data["extra_fields"]):
         rows.append(layout_fields(prompt.numel(), response.numel(), extra, layout, f"row {key}"))
+        lengths.append((prompt.numel() + response.numel(), extra))
     tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=list_of_dict_to_tensordict(rows))
+    return sharing_metrics(lengths)
