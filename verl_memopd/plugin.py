@@ -1,8 +1,10 @@
-"""What verl's ``verl.plugins`` entry point loads: registrations, nothing else.
+"""What verl's ``verl.plugins`` entry point loads: registrations (and, on CPU only, patches).
 
 verl imports every ``verl.plugins`` entry point in every process that imports verl (driver,
 TaskRunner, workers) and logs failures only at DEBUG level, so :func:`registered` exists for
-tests and start-up checks to assert that everything below is in place.
+tests and start-up checks to assert that everything below is in place. With
+``VERL_PLATFORM=cpu`` the CPU patches of ``verl_memopd.platform.patches`` are applied here too:
+this entry point is the only code of ours that runs in every verl process.
 """
 
 from __future__ import annotations
@@ -44,11 +46,10 @@ import verl_memopd.trainer.ppo  # noqa: E402,F401
 def registered() -> dict[str, bool]:
     """Which of our registrations are live in this process (for tests and start-up checks)."""
     from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
     from verl.workers.engine.base import EngineRegistry
 
     from verl_memopd.tasks.dataset import AGENT_NAME
-
-    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 
     return {
         f"agent_loop:{AGENT_NAME}": AGENT_NAME in _agent_loop_registry,
