@@ -52,8 +52,9 @@ def teacher_worker_config(config: DictConfig, memopd: MemopdConfig) -> TrainingW
         model_node.model_type = TEACHER_MODEL_TYPE
         model_node.override_config = OmegaConf.merge(
             model_node.get("override_config", {}), {"attn_implementation": memopd.teacher.attn_implementation})
-        model_node.lora = {"rank": 0} if "lora" in model_node else model_node.get("lora")
-        model_node.lora_rank = 0
+        model_node.lora_rank = 0  # the teacher is frozen: no adapters
+        if model_node.get("lora") is not None:
+            model_node.lora.rank = 0
     model_config = omega_conf_to_dataclass(model_node, dataclass_type=HFModelConfig)
     engine_config = omega_conf_to_dataclass(config.actor_rollout_ref.ref.fsdp_config)
     engine_config.forward_only = True
