@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from test_verl_cpu import _prompts_parquet, grpo_overrides
+from verl_runs.grpo import grpo_overrides, prompts_parquet
 from verl_runs.launcher import cpu_env, parse_steps
 
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
@@ -171,8 +171,8 @@ def test_verl_job_runs_across_two_ray_nodes(tiny_models, tmp_path):
                              tmp_path / "ray_second.log"))
         ray_nodes = _wait_nodes(dashboard, 2, env, 90)
 
-        train = _prompts_parquet(tmp_path / "train.parquet", 16)
-        val = _prompts_parquet(tmp_path / "val.parquet", 4)
+        train = prompts_parquet(tmp_path / "train.parquet", 16)
+        val = prompts_parquet(tmp_path / "val.parquet", 4)
         overrides = grpo_overrides(tiny_models.student, train, val, steps=2, lr=1e-6) + [
             "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
             "ray_kwargs.ray_init.num_cpus=null", "ray_kwargs.ray_init.num_gpus=null",

@@ -43,10 +43,9 @@ def check_cpu_config(cfg: DictConfig) -> None:
     problems: list[str] = []
     if os.environ.get("VERL_PLATFORM", "").strip().lower() != "cpu":
         problems.append("VERL_PLATFORM is not 'cpu': export VERL_PLATFORM=cpu (verl would pick its CUDA platform)")
-    for key in ("actor_rollout_ref.model.path", "critic.model.path"):
-        if key.startswith("critic") and _get(cfg, "algorithm.adv_estimator") != "gae":
-            continue
-        problems += _check_model_path(cfg, key)
+    problems += _check_model_path(cfg, "actor_rollout_ref.model.path")
+    if _get(cfg, "algorithm.adv_estimator") == "gae":  # only GAE starts a critic
+        problems += _check_model_path(cfg, "critic.model.path")
     attn = _get(cfg, "actor_rollout_ref.model.override_config.attn_implementation")
     if attn is not None and "flash" in str(attn):
         problems.append(f"actor_rollout_ref.model.override_config.attn_implementation={attn} needs CUDA; use sdpa "

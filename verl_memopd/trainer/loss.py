@@ -30,9 +30,10 @@ class MemopdActorLoss:
         return {**self.__dict__, "_teacher_head": None}  # ship the path, not the weight
 
     def teacher_head(self, device) -> torch.Tensor:
-        if self._teacher_head is None:
-            self._teacher_head = load_output_head(self.teacher_path).float().requires_grad_(False)
-        return self._teacher_head.to(device)
+        """The frozen teacher head on ``device``: read once per worker, moved once (not per micro-batch)."""
+        if self._teacher_head is None or self._teacher_head.device != torch.device(device):
+            self._teacher_head = load_output_head(self.teacher_path).float().to(device).requires_grad_(False)
+        return self._teacher_head
 
     def __call__(self, model_output: dict, data, dp_group=None):
         if self.opd_config.coef > 0 and self.opd_config.transport == "hidden":
