@@ -106,14 +106,15 @@ def _config(**agent):
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
 
 
-def _run(tokenizer, server, row, config=None):
+def _run(tokenizer, server, row, config=None, **run_kwargs):
     async def go():
         config_ = config if config is not None else _config()
         loop = hydra.utils.instantiate(  # exactly how verl's AgentLoopWorker builds an agent loop
             _agent_loop_registry[AGENT_NAME], trainer_config=DictConfigWrap(config_), server_manager=server,
             tokenizer=tokenizer, processor=None, dataset_cls=RLHFDataset, data_config=DictConfigWrap(config_.data))
         return await loop.run(dict(SAMPLING), raw_prompt=row["prompt"], extra_info=row["extra_info"],
-                              reward_model=row["reward_model"], data_source=row["data_source"], uid="u3", index=3)
+                              reward_model=row["reward_model"], data_source=row["data_source"], uid="u3", index=3,
+                              **run_kwargs)
     return asyncio.run(go())
 
 
@@ -451,3 +452,20 @@ if __name__ == "__main__":
     import sys
 
     _vllm_rollout(*sys.argv[1:3])
+
+
+def _seeds(tokenizer, config=None, **run_kwargs):
+    row = _row()
+    server = FakeServer(_script(tokenizer, [a[0] for a in row["reward_model"]["ground_truth"]]))
+    _run(tokenizer, server, row, config, **run_kwargs)
+    return [r["sampling_params"].get("seed") for r in server.requests]
+
+
+def test_calls_get_reproducible_seeds_per_step_sample_and_call(tokenizer):
+    first = _seeds(tokenizer, global_steps=3, session_id=0)
+    assert len(set(first)) == len(first) and all(isinstance(s, int) and 0 <= s < 2**63 for s in first)
+    assert _seeds(tokenizer, global_steps=3, session_id=0) == first  # a resumed run samples the same
+    assert set(_seeds(tokenizer, global_steps=3, session_id=1)).isdisjoint(first)  # the n samples differ
+    assert set(_seeds(tokenizer, global_steps=4, session_id=0)).isdisjoint(first)  # so do steps
+    assert _seeds(tokenizer, global_steps=3) == [None] * len(first)  # no sample index: not seeded
+    assert _seeds(tokenizer, _config(seed_requests=False), global_steps=3, session_id=0) == [None] * len(first)

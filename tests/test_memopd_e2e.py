@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "quickstart_cpu.sh"
 MEMOPD_METRICS = ("actor/memopd/distill_loss", "actor/memopd/reverse_kl", "actor/memopd/reverse_kl_call/0",
                   "memopd/tokens_saved_by_shared_prefix", "memopd/calls_per_episode", "timing_s/teacher",
-                  "critic/vf_loss")
+                  "memopd/reward_kl/clipped_kl_mean")
 
 
 def _quickstart(workdir: Path, *overrides: str, timeout_s: float = 900):
@@ -32,11 +32,22 @@ def _quickstart(workdir: Path, *overrides: str, timeout_s: float = 900):
     return run_command(["bash", str(QUICKSTART), *overrides], workdir, timeout_s, env)
 
 
+#: step metrics that only depend on what was sampled: equal after a resume if sampling is reproducible
+SAMPLED = ("response_length/mean", "prompt_length/mean", "global_seqlen/mean", "critic/score/mean",
+           "memopd/packed_tokens_per_episode", "memopd/tokens_saved_by_shared_prefix")
+#: step metrics computed by the restored models / optimizers (summation order may differ: fp32 noise)
+TRAINED = ("actor/entropy", "actor/memopd/reverse_kl", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss",
+           "critic/values/mean", "critic/rewards/mean", "memopd/reward_kl/clipped_kl_mean")
+AUDIT = ("memopd/audit/rce_max_abs_diff", "actor/memopd/audit/teacher_aligned_vs_flat_kl")
+REPRODUCIBLE = ("data.seed=0", "actor_rollout_ref.rollout.enable_prefix_caching=false")
+
+
 @pytest.mark.slow
 def test_memopd_trains_checkpoints_and_resumes(tmp_path):
-    run = _quickstart(tmp_path, "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=2")
+    run = _quickstart(tmp_path, "trainer.total_training_steps=3", "trainer.save_freq=2", "trainer.test_freq=2",
+                      "memopd.audit.every_n_steps=2", *REPRODUCIBLE)
     assert run.returncode == 0, run.tail()
-    assert sorted(run.steps) == [1, 2], run.tail()
+    assert sorted(run.steps) == [1, 2, 3], run.tail()
     for step, metrics in run.steps.items():
         assert not non_finite(metrics), f"step {step}: non-finite {non_finite(metrics)}"
         missing = [k for k in MEMOPD_METRICS if k not in metrics]
@@ -45,30 +56,51 @@ def test_memopd_trains_checkpoints_and_resumes(tmp_path):
         assert 0 < metrics["memopd/tokens_saved_by_shared_prefix"] < 1
         # packed rows reproduce every call's rollout state: trainer log-probs == vLLM's
         assert metrics["training/rollout_probs_diff_max"] < 1e-3, metrics["training/rollout_probs_diff_max"]
-    assert "val-core/memopd_memory/tiny/reward/mean@1" in run.steps[2]
+        # the reference and the clipped KL penalty: r - beta*[l_old - l_ref]_+ <= r
+        assert "timing_s/ref" in metrics and metrics["critic/rewards/mean"] <= metrics["critic/score/mean"]
+    assert run.steps[1]["memopd/reward_kl/clipped_kl_mean"] == 0  # step 1: policy == reference
+    audited = run.steps[2]
+    assert all(k in audited for k in AUDIT) and not any(k in run.steps[1] for k in AUDIT)
+    assert audited["memopd/audit/rce_max_abs_diff"] < 1e-4  # every call's block == the call run alone
+    assert audited["memopd/audit/rce_calls_checked"] == 4 * audited["memopd/calls_per_episode"]
+    assert audited["actor/memopd/audit/teacher_aligned_vs_flat_kl"] > 0
+    assert "val-core/memopd_memory/tiny/reward/mean@1" in audited
     ckpt = tmp_path / "qs" / "checkpoints"
     assert (ckpt / "global_step_2").is_dir(), sorted(p.name for p in ckpt.iterdir())
     print(f"memopd e2e: wall {run.wall_s:.0f}s; step 2: " + ", ".join(
-        f"{k}={run.steps[2][k]:.4g}" for k in ("timing_s/gen", "timing_s/teacher", "timing_s/old_log_prob",
-                                               "timing_s/values", "timing_s/update_critic",
-                                               "timing_s/update_actor", "timing_s/step",
-                                               "actor/memopd/reverse_kl", "memopd/tokens_saved_by_shared_prefix",
-                                               "memopd/calls_per_episode", "actor/perf/cpu_memory_used_gb")))
+        f"{k}={audited[k]:.4g}" for k in ("timing_s/gen", "timing_s/teacher", "timing_s/old_log_prob", "timing_s/ref",
+                                          "timing_s/values", "timing_s/update_critic", "timing_s/update_actor",
+                                          "timing_s/step", "actor/memopd/reverse_kl", *AUDIT,
+                                          "memopd/reward_kl/clipped_kl_mean", "memopd/tokens_saved_by_shared_prefix",
+                                          "memopd/calls_per_episode", "actor/perf/cpu_memory_used_gb")))
 
-    resumed = _quickstart(tmp_path, "trainer.total_training_steps=3", "trainer.save_freq=-1",
-                          "trainer.test_freq=-1", "trainer.resume_mode=auto")
+    resumed = _quickstart(tmp_path, "trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.test_freq=-1",
+                          "memopd.audit.every_n_steps=2", *REPRODUCIBLE, "trainer.resume_mode=resume_path",
+                          f"trainer.resume_from_path={ckpt / 'global_step_2'}")
     assert resumed.returncode == 0, resumed.tail()
     assert sorted(resumed.steps) == [3], f"resume should continue at step 3, ran {sorted(resumed.steps)}"
-    assert not non_finite(resumed.steps[3])
+    after, uninterrupted = resumed.steps[3], run.steps[3]
+    assert not non_finite(after)
+    print("resume vs uninterrupted, step 3: " + ", ".join(
+        f"{k} {after[k]:.6g}/{uninterrupted[k]:.6g}" for k in SAMPLED + TRAINED))
+    for k in SAMPLED:
+        assert after[k] == uninterrupted[k], f"{k}: resumed {after[k]} != uninterrupted {uninterrupted[k]}"
+    for k in TRAINED:
+        assert after[k] == pytest.approx(uninterrupted[k], rel=1e-3, abs=1e-6), k
 
 
 @pytest.mark.slow
-def test_flat_history_baseline_runs_the_same_pipeline(tmp_path):
-    run = _quickstart(tmp_path, "memopd.layout=flat", "trainer.total_training_steps=1", "trainer.save_freq=-1",
-                      "trainer.test_freq=-1")
+def test_flat_baseline_with_grpo_and_a_colocated_teacher(tmp_path):
+    """Three variants in one bounded run (CI time): the persistent-history layout, GRPO advantages
+    (no critic) and the teacher in the actor's processes (one logical GPU for everything)."""
+    run = _quickstart(tmp_path, "memopd.layout=flat", "algorithm.adv_estimator=grpo",
+                      "memopd.teacher.placement=colocate", "ray_kwargs.ray_init.num_gpus=1",
+                      "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1")
     assert run.returncode == 0, run.tail()
     metrics = run.steps[1]
     assert not non_finite(metrics)
     assert all(k in metrics for k in MEMOPD_METRICS), sorted(k for k in metrics if "memopd" in k)
-    print(f"flat layout: rollout_probs_diff_max={metrics['training/rollout_probs_diff_max']:.3g} "
-          f"log_ppl_abs_diff={metrics['rollout_corr/log_ppl_abs_diff']:.3g}")
+    assert "critic/vf_loss" not in metrics and "timing_s/values" not in metrics  # GRPO: no critic
+    assert "[verl-memopd] teacher worker group initialized (colocate" in run.log
+    print(f"flat + grpo + colocated teacher: rollout_probs_diff_max={metrics['training/rollout_probs_diff_max']:.3g} "
+          f"reverse_kl={metrics['actor/memopd/reverse_kl']:.4g} step={metrics['timing_s/step']:.3g}s")

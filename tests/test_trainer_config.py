@@ -48,7 +48,7 @@ def test_recipe_and_baselines_compose(tmp_path, monkeypatch, tiny_models):
         (["memopd.teacher.path=/no/teacher"], "memopd.teacher.path=/no/teacher: no model there"),
         (["+memopd.distill.lamda=1"], "memopd.distill: unknown key(s) ['lamda']"),
         (["memopd.distill.coef=-1"], "memopd.distill.coef=-1 must be >= 0"),
-        (["memopd.teacher.placement=colocate"], "memopd.teacher.placement='colocate'"),
+        (["memopd.teacher.placement=elsewhere"], "memopd.teacher.placement='elsewhere'"),
     ],
 )
 def test_bad_memopd_config_is_refused(tmp_path, monkeypatch, overrides, message):

@@ -243,6 +243,10 @@ def get_transport(name: str, **options: Any) -> Transport:
     return TRANSPORTS.build(name, **options)
 
 
+#: TransferQueue field of the ``hidden`` transport: teacher final hidden states at m_T, (B, A_b*, H)
+TEACHER_HIDDEN = "memopd_teacher_hidden"
+
+
 @register_transport("hidden")
 @dataclass(frozen=True)
 class HiddenTransport(Transport):
@@ -251,11 +255,11 @@ class HiddenTransport(Transport):
     The temperature is applied on the actor side, to both student and teacher logits.
     """
 
-    payload_keys: ClassVar[tuple[str, ...]] = ("memopd_teacher_hidden",)
+    payload_keys: ClassVar[tuple[str, ...]] = (TEACHER_HIDDEN,)
 
     def encode(self, hidden, head_weight, vocab_size, temperature):
         _check_head("hidden transport", head_weight, vocab_size, hidden.shape[-1])
-        return {"memopd_teacher_hidden": hidden.detach()}
+        return {TEACHER_HIDDEN: hidden.detach()}
 
     def decode(self, payload, teacher_head, vocab_size):
         (hidden,) = self._payload(payload)

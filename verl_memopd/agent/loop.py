@@ -29,7 +29,11 @@ own ``position_ids`` -- recomputed as 0..L-1 -- are NOT the restored ones):
 
 Config (``memopd.agent`` in the trainer config; every key optional, defaults below):
 ``memory_tokens`` (256) token budget of a memory call; ``answer_tokens`` (64) of the answer
-call; ``stop_token_ids`` ([]) extra stop ids -- the tokenizer's eos and the eos ids of the
+call; ``seed_requests`` (true) give every call its own vLLM sampling seed, a hash of
+(``rollout.seed``, the dataset row, the trainer step, the sample index within ``rollout.n``, the
+call index) -- a resumed run then samples what the uninterrupted run sampled (verl's V1 agent
+loop passes ``global_steps`` and ``session_id``; without them calls are not seeded);
+``stop_token_ids`` ([]) extra stop ids -- the tokenizer's eos and the eos ids of the
 model's generation config (``actor_rollout_ref.model.path``; vLLM stops on those too) are always
 stop ids; ``prompts`` ({}) overrides of ``MemoryPrompts`` fields. A call that ends early on a
 token outside this set raises (its last token would otherwise be kept as memory). Rollout requirements: ``actor_rollout_ref.rollout.calculate_log_probs=True``;
@@ -38,6 +42,7 @@ token outside this set raises (its last token would otherwise be kept as memory)
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
@@ -71,6 +76,7 @@ class MemoryAgentConfig:
     memory_tokens: int = 256
     answer_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
+    seed_requests: bool = True
     prompts: MemoryPrompts = field(default_factory=MemoryPrompts)
 
     def __post_init__(self) -> None:
@@ -92,6 +98,11 @@ class MemoryAgentConfig:
         if bad:
             raise ValueError(f"memopd.agent.prompts: unknown keys {bad}; valid: {sorted(prompt_keys)}")
         return cls(**{**raw, "prompts": MemoryPrompts(**(raw.get("prompts") or {}))})
+
+
+def request_seed(key: str) -> int:
+    """A stable 63-bit seed for ``key`` (the same in every process and run; Python's hash() is not)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
 
 
 @register(AGENT_NAME)
@@ -117,17 +128,27 @@ class MemoryAgentLoop(AgentLoopBase):
         for t, chunk in enumerate(task.chunks):
             context = ctx.memory_call(memory, chunk, t, len(task.chunks))
             call, version = await self._call(request_id, ctx.prefix_ids + context, self.agent_config.memory_tokens,
-                                             sampling_params, keeps_memory=True, where=f"{task.where} call {t}")
+                                             self._seeded(sampling_params, task, kwargs, t), keeps_memory=True,
+                                             where=f"{task.where} call {t}")
             calls.append(call)
             versions.append(version)
             memory = call.memory_ids
+        n = len(task.chunks)
         call, version = await self._call(request_id, ctx.prefix_ids + ctx.answer_call(memory),
-                                         self.agent_config.answer_tokens, sampling_params, keeps_memory=False,
-                                         where=f"{task.where} call {len(task.chunks)}")
+                                         self.agent_config.answer_tokens, self._seeded(sampling_params, task, kwargs, n),
+                                         keeps_memory=False, where=f"{task.where} call {n}")
         calls.append(call)
         versions.append(version)
         generate_s = time.perf_counter() - t0
         return self._output(task, kwargs, ctx.prefix_ids, calls, versions, generate_s)
+
+    def _seeded(self, sampling_params: dict, task: TaskRow, kwargs: dict, call: int) -> dict:
+        """``sampling_params`` with this call's vLLM seed (``seed_requests``; see module docstring)."""
+        step, sample = kwargs.get("global_steps"), kwargs.get("session_id")
+        if not self.agent_config.seed_requests or step is None or sample is None:
+            return sampling_params
+        key = f"{self.rollout_config.get('seed', 0)}|{task.where}|{int(step)}|{int(sample)}|{call}"
+        return {**sampling_params, "seed": request_seed(key)}
 
     async def _call(self, request_id: str, prompt_ids: tuple[int, ...], budget: int, sampling_params: dict,
                     keeps_memory: bool, where: str) -> tuple[Invocation, tuple[Optional[int], Optional[int]]]:

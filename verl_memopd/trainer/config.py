@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 #: Layouts the trainer can execute (``verl_memopd.packing``): packed = MemOPD, flat = persistent history.
 TRAINER_LAYOUTS = ("packed", "flat")
-TEACHER_PLACEMENTS = ("separate",)
+TEACHER_PLACEMENTS = ("separate", "colocate")
 TEACHER_MASK_POLICIES = ("action",)
 
 
@@ -32,8 +32,9 @@ class TeacherConfig:
 
     path: HF model folder of the teacher (shares the student's tokenizer / vocabulary).
     placement: ``separate`` -- its own resource pool of ``n_gpus_per_node x nnodes`` (GPUs; on the
-        cpu platform logical GPUs = processes).
-    n_gpus_per_node / nnodes: size of the teacher pool.
+        cpu platform logical GPUs = processes); ``colocate`` -- in the actor's processes, on the
+        actor's GPUs (``trainer.n_gpus_per_node x trainer.nnodes``), like verl's reference/critic.
+    n_gpus_per_node / nnodes: size of the teacher pool (``separate`` only).
     attn_implementation: attention for the teacher's packed forward (memopd_torch on CPU,
         memopd_fa2 with flash-attn on CUDA).
     """
@@ -64,16 +65,41 @@ class DistillConfig:
 
 
 @dataclass(frozen=True)
+class AuditConfig:
+    """``memopd.audit``: in-training checks of the layout, on every ``every_n_steps``-th step (0 = off).
+
+    rce: Rollout Context Equivalence spot-check in the actor's old-log-prob forward: every call of
+        every row is re-run alone (its own ``[q, x_t, a_t]``), and the full-vocabulary logits of its
+        block are compared with the packed forward's (``memopd/audit/rce_max_abs_diff``).
+    teacher_flat_kl: the teacher also scores the step's rows under the flat layout (persistent
+        history); the actor loss reports KL(p_T aligned || p_T flat) at m_T tokens
+        (``actor/memopd/audit/teacher_aligned_vs_flat_kl``): how much the baseline's supervision differs.
+    """
+
+    every_n_steps: int = 10
+    rce: bool = True
+    teacher_flat_kl: bool = True
+
+
+@dataclass(frozen=True)
 class MemopdConfig:
-    """``memopd``: layout and teacher branch; ``agent`` is read by the memory agent loop itself.
+    """``memopd``: layout, task-branch coefficients, teacher branch and audits; ``agent`` is read by
+    the memory agent loop itself.
 
     layout: ``packed`` (MemOPD: restored positions, block visibility) or ``flat`` (the same rows
         run with positions 0..L-1 and plain causal attention: persistent-history baseline).
+    entropy_coef: alpha in ``L = L_PPO - alpha*H + lambda*L_OPD``; the recipe points verl's
+        ``actor_rollout_ref.actor.entropy_coeff`` at it.
+    kl_penalty_coef: beta of the reward's clipped KL penalty ``r - beta*[l_old - l_ref]_+``
+        (``verl_memopd.trainer.reward``); > 0 starts verl's reference model; 0 = no penalty, no reference.
     """
 
     layout: str = "packed"
+    entropy_coef: float = 0.0
+    kl_penalty_coef: float = 0.001
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
     agent: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -85,6 +111,11 @@ class MemopdConfig:
         if self.distill.teacher_mask not in TEACHER_MASK_POLICIES:
             raise MemopdConfigError(f"memopd.distill.teacher_mask={self.distill.teacher_mask!r}: expected one of "
                                     f"{TEACHER_MASK_POLICIES}")
+        for name in ("entropy_coef", "kl_penalty_coef"):
+            if getattr(self, name) < 0:
+                raise MemopdConfigError(f"memopd.{name}={getattr(self, name)} must be >= 0")
+        if self.audit.every_n_steps < 0:
+            raise MemopdConfigError(f"memopd.audit.every_n_steps={self.audit.every_n_steps} must be >= 0 (0 = off)")
         if self.distill.coef < 0:
             raise MemopdConfigError(f"memopd.distill.coef={self.distill.coef} must be >= 0")
         if self.distill.coef > 0:
@@ -102,6 +133,14 @@ class MemopdConfig:
     def uses_teacher(self) -> bool:
         return self.distill.coef > 0
 
+    @property
+    def uses_reference(self) -> bool:
+        return self.kl_penalty_coef > 0
+
+    def audits_at(self, step: int) -> bool:
+        """Whether ``step`` (verl's global step, from 1) runs the audits."""
+        return self.audit.every_n_steps > 0 and step % self.audit.every_n_steps == 0
+
 
 def _build(cls, node: Any, where: str):
     known = {f.name: f for f in fields(cls)}
@@ -111,7 +150,7 @@ def _build(cls, node: Any, where: str):
         raise MemopdConfigError(f"{where}: unknown key(s) {unknown}; valid keys: {sorted(known)}")
     kwargs = {}
     for name, value in data.items():
-        sub = {"teacher": TeacherConfig, "distill": DistillConfig}.get(name) if cls is MemopdConfig else None
+        sub = {"teacher": TeacherConfig, "distill": DistillConfig, "audit": AuditConfig}.get(name) if cls is MemopdConfig else None
         kwargs[name] = _build(sub, value, f"{where}.{name}") if sub else value
     return cls(**kwargs)
 
@@ -127,7 +166,13 @@ def from_config(config: DictConfig) -> MemopdConfig:
     node = config.get("memopd")
     if node is None:
         raise MemopdConfigError("trainer.v1.trainer_mode=memopd needs the memopd: tree; add +recipe=memopd")
-    return _build(MemopdConfig, OmegaConf.to_container(node, resolve=True), "memopd")
+    memopd = _build(MemopdConfig, OmegaConf.to_container(node, resolve=True), "memopd")
+    algorithm = config.get("algorithm") or {}
+    if memopd.uses_reference and algorithm.get("use_kl_in_reward", False):
+        raise MemopdConfigError("algorithm.use_kl_in_reward=true and memopd.kl_penalty_coef > 0 would penalise the "
+                                "reward twice: MemOPD applies its clipped penalty itself; set "
+                                "algorithm.use_kl_in_reward=false (or memopd.kl_penalty_coef=0 for verl's own)")
+    return memopd
 
 
 class RecipeCheck(Callback):

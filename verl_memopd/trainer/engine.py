@@ -6,7 +6,8 @@ packed-attention metadata from the row's ``memopd_segment_ids`` (restored by
 ``verl_memopd.trainer.rows``) and pass it to the ``memopd_*`` attention implementation
 (``verl_memopd.attention``); everything else -- log-probs, entropy, values, FSDP -- is verl's.
 
-    memopd_language_model  actor / ref: + full-vocabulary logits for the OPD loss when asked
+    memopd_language_model  actor / ref: + full-vocabulary logits for the OPD loss when asked,
+                           + the RCE spot-check on audit steps (verl_memopd.trainer.audit)
     memopd_value_model     critic
     memopd_teacher         teacher worker group: final post-norm hidden states at m_T positions
 
@@ -26,10 +27,11 @@ from verl_memopd.attention import PackedAttentionError, require_packed_attention
 from verl_memopd.losses.actor import TEACHER_MASK, assign_global_teacher_counts
 from verl_memopd.platform.patches import patch_verl_valuehead_attention
 from verl_memopd.packing import SegmentMeta, padded_batch_segments, segment_meta
+from verl_memopd.supervision import TEACHER_HIDDEN
+from verl_memopd.trainer.audit import RCE_FIELD, RCE_FLAG, TEACHER_OUTPUT_KEY, calls_alone, rce_diffs
 from verl_memopd.trainer.rows import SEGMENT_IDS
 
 STUDENT_LOGITS = "memopd_logits"
-TEACHER_HIDDEN = "memopd_teacher_hidden"
 _DEVICES = ["cuda", "npu", "cpu"]
 _BACKENDS = ["fsdp", "fsdp2"]
 
@@ -106,10 +108,21 @@ class MemopdLMEngine(_PackedRows, FSDPEngineWithLMHead):
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
         model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
+        use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
         if getattr(logits_processor_func, "wants_student_logits", False):
-            use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
             model_output[STUDENT_LOGITS] = _jagged_like(output.logits, micro_batch, use_rmpad)
+        if tu.get_non_tensor_data(data=micro_batch, key=RCE_FLAG, default=False):
+            model_output[RCE_FIELD] = self._rce_spot_check(output.logits, micro_batch, use_rmpad)
         return model_output
+
+    def _rce_spot_check(self, logits, micro_batch, use_rmpad: bool) -> torch.Tensor:
+        """Audit (``verl_memopd.trainer.audit``): every call of the micro-batch re-run alone in one
+        extra forward; per row, the max abs logit difference of each call's block, (B, n_calls*)."""
+        rows = [t.unbind() for t in (micro_batch["input_ids"], micro_batch["position_ids"], micro_batch[SEGMENT_IDS])]
+        inputs, spans = calls_alone(*rows)
+        alone = self.module(**inputs, attention_mask=None, use_cache=False).logits.squeeze(0)
+        diffs = rce_diffs(_jagged_like(logits, micro_batch, use_rmpad).unbind(), alone, spans)
+        return torch.nested.as_nested_tensor(diffs, layout=torch.jagged)
 
 
 @EngineRegistry.register(model_type="memopd_value_model", backend=_BACKENDS, device=_DEVICES)
@@ -127,7 +140,8 @@ class MemopdValueEngine(_PackedRows, FSDPEngineWithValueHead):
 class MemopdTeacherEngine(_PackedRows, FSDPEngineWithLMHead):
     """Teacher engine (forward only): returns ``memopd_teacher_hidden`` (B, A_b*, H), the final
     post-norm hidden states at the positions that predict each row's teacher-supervised tokens
-    (response token j is predicted at sequence position P_b + j - 1), in order."""
+    (response token j is predicted at sequence position P_b + j - 1), in order. An audit batch
+    names another output field (``memopd_teacher_output_key``)."""
 
     def prepare_model_inputs(self, micro_batch):
         model_inputs, output_args = super().prepare_model_inputs(micro_batch)
@@ -137,9 +151,10 @@ class MemopdTeacherEngine(_PackedRows, FSDPEngineWithLMHead):
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
         use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
+        key = tu.get_non_tensor_data(data=micro_batch, key=TEACHER_OUTPUT_KEY, default=TEACHER_HIDDEN)
         hidden = _jagged_like(output.hidden_states[-1], micro_batch, use_rmpad)
         rows = []
         for h, m in zip(hidden.unbind(), micro_batch[TEACHER_MASK].unbind()):
             start = h.shape[0] - m.shape[0] - 1  # position P_b - 1 predicts response token 0
             rows.append(h[start + torch.nonzero(m, as_tuple=True)[0]])
-        return {TEACHER_HIDDEN: torch.nested.as_nested_tensor(rows, layout=torch.jagged)}
+        return {key: torch.nested.as_nested_tensor(rows, layout=torch.jagged)}

@@ -3,7 +3,8 @@
 A picklable callable (sent once to every actor worker with verl's ``set_loss_fn``) around
 :func:`verl_memopd.losses.actor.memopd_actor_loss`. It holds the frozen teacher output head,
 loaded lazily in the worker from the teacher's files, and asks the engine for the student's
-full-vocabulary logits (``wants_student_logits``).
+full-vocabulary logits (``wants_student_logits``). On audit steps it also reports how far the
+teacher's flat-layout distribution is from its aligned one (``verl_memopd.trainer.audit``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ from typing import Optional
 
 import torch
 
-from verl_memopd.losses.actor import TEACHER_HEAD, OPDLossConfig, memopd_actor_loss
+from verl.utils import tensordict_utils as tu
+from verl.utils.metric import AggregationType, Metric
+
+from verl_memopd.losses.actor import TEACHER_HEAD, TEACHER_NUM_TOKENS, OPDLossConfig, memopd_actor_loss
+from verl_memopd.supervision import TEACHER_HIDDEN
+from verl_memopd.trainer.audit import TEACHER_HIDDEN_FLAT, teacher_layout_kl
 from verl_memopd.trainer.teacher import load_output_head
 
 
@@ -38,4 +44,15 @@ class MemopdActorLoss:
     def __call__(self, model_output: dict, data, dp_group=None):
         if self.opd_config.coef > 0 and self.opd_config.transport == "hidden":
             model_output = {**model_output, TEACHER_HEAD: self.teacher_head(data["responses"].device)}
-        return memopd_actor_loss(self.actor_config, self.opd_config, model_output, data, dp_group=dp_group)
+        loss, metrics = memopd_actor_loss(self.actor_config, self.opd_config, model_output, data, dp_group=dp_group)
+        if TEACHER_HIDDEN_FLAT in data.keys():
+            metrics.update(self.teacher_layout_metric(data))
+        return loss, metrics
+
+    def teacher_layout_metric(self, data) -> dict:
+        """Audit steps: KL(p_T aligned || p_T flat) at this micro-batch's m_T tokens, as a partial sum
+        of the global per-token mean (like the ``memopd/*`` loss metrics)."""
+        aligned, flat = data[TEACHER_HIDDEN].values(), data[TEACHER_HIDDEN_FLAT].values()
+        kl = teacher_layout_kl(self.teacher_head(aligned.device), aligned, flat, self.opd_config.token_chunk_size)
+        weight = tu.get_non_tensor_data(data, "dp_size", 1) / tu.get_non_tensor_data(data, TEACHER_NUM_TOKENS, 1)
+        return {"memopd/audit/teacher_aligned_vs_flat_kl": Metric(AggregationType.SUM, kl.sum() * weight)}

@@ -8,17 +8,20 @@ Registered with verl's trainer registry; the recipe selects it with
     + restore each row's layout: positions, segments, teacher mask                  (rows.py)
     old log-probs (actor, packed)     + teacher scoring: memopd_teacher_hidden at m_T     (teacher.py)
     ref log-probs / values (packed)
+    + reward r - beta*[l_old - l_ref]_+ per action token                                 (reward.py)
     advantages (GAE over the row's action tokens, or GRPO)
     critic update (packed), actor update: PPO - alpha*H + lambda*OPD                   (loss.py)
+
+Every ``memopd.audit.every_n_steps``: RCE spot-check in the old-log-prob forward and the teacher's
+aligned-vs-flat KL (audit.py).
 
 Checkpoints, resume, logging and validation are verl's (``PPOTrainerSync``).
 """
 
 from __future__ import annotations
 
-import logging
-
 import ray
+import transfer_queue as tq
 from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager
 from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import register_trainer
@@ -27,8 +30,10 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.debug import marked_timer
 
 from verl_memopd.losses.actor import OPDLossConfig
+from verl_memopd.trainer.audit import RCE_FIELD, RCE_FLAG, TEACHER_HIDDEN_FLAT, TEACHER_OUTPUT_KEY, rce_metrics
 from verl_memopd.trainer.config import from_config
 from verl_memopd.trainer.loss import MemopdActorLoss
+from verl_memopd.trainer.reward import penalise_in_place
 from verl_memopd.trainer.rows import restore_layout
 from verl_memopd.trainer.teacher import (
     MemopdCriticWorker,
@@ -36,8 +41,6 @@ from verl_memopd.trainer.teacher import (
     check_teacher_compatible,
     teacher_worker_config,
 )
-
-logger = logging.getLogger(__name__)
 
 TEACHER_POOL = "memopd_teacher_pool"
 TEACHER_ROLE = "memopd_teacher"
@@ -54,18 +57,45 @@ class MemopdTrainer(PPOTrainerSync):
         if self.memopd.uses_teacher:
             self.vocab_size = check_teacher_compatible(config.actor_rollout_ref.model.path, self.memopd.teacher.path)
         super().__init__(config)
+        # verl starts a reference only for its own KL terms; MemOPD's reward penalty needs one too
+        self.use_reference_policy = self.use_reference_policy or self.memopd.uses_reference
+
+    def _build_replay_buffer(self):
+        # verl 0.9.1 keys its synchronous behaviour on ``trainer_mode == "sync"`` (replay buffer,
+        # whole-batch dataloader fetches, no TransferQueue state in checkpoints); this trainer is
+        # PPOTrainerSync under its own registry name, so it reports verl's sync mode from here on.
+        self.trainer_mode = "sync"
+        self.parameter_sync_step = 1
+        return super()._build_replay_buffer()
 
     # --- workers ----------------------------------------------------------------------------
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
+        if self.memopd.uses_reference:
+            self._add_reference_role()
         if Role.Critic in self.role_worker_mapping:
             self.role_worker_mapping[Role.Critic] = ray.remote(MemopdCriticWorker)
-        if self.memopd.uses_teacher:
+        if self.memopd.uses_teacher and self.memopd.teacher.placement == "separate":
             teacher = self.memopd.teacher
             spec = dict(self.resource_pool_manager.resource_pool_spec)
             spec[TEACHER_POOL] = [teacher.n_gpus_per_node] * teacher.nnodes
             self.mapping[TEACHER_ROLE] = TEACHER_POOL
             self.resource_pool_manager = ResourcePoolManager(resource_pool_spec=spec, mapping=self.mapping)
+
+    def _add_reference_role(self):
+        """The reference model for ``r - beta*[l_old - l_ref]_+``, placed as verl places its own:
+        inside the hybrid actor worker (ActorRolloutRef), or as a RefPolicy worker next to a
+        standalone actor. LoRA actors keep verl's reference-in-actor (adapters disabled)."""
+        model = self.config.actor_rollout_ref.model
+        lora_rank = model.get("lora", {}).get("rank", 0) or model.get("lora_rank", 0)
+        if lora_rank > 0 or model.get("lora_adapter_path") is not None:
+            return
+        if Role.ActorRollout in self.role_worker_mapping:
+            self.role_worker_mapping[Role.ActorRolloutRef] = self.role_worker_mapping.pop(Role.ActorRollout)
+            self.mapping[Role.ActorRolloutRef] = self.mapping.pop(Role.ActorRollout)
+        elif Role.Actor in self.role_worker_mapping and Role.RefPolicy not in self.role_worker_mapping:
+            self.role_worker_mapping[Role.RefPolicy] = self.role_worker_mapping[Role.Actor]
+            self.mapping[Role.RefPolicy] = self.mapping[Role.Actor]
 
     def _setup(self):
         super()._setup()
@@ -75,24 +105,84 @@ class MemopdTrainer(PPOTrainerSync):
                             transport=distill.transport, token_clamp=distill.token_clamp,
                             token_chunk_size=distill.token_chunk_size)
         self.actor_rollout_wg.set_loss_fn(MemopdActorLoss(actor_config, opd, self.memopd.teacher.path))
-        if self.memopd.uses_teacher:
+        if self._teacher_colocated:
+            # the teacher lives in the actor's fused Ray actors (added to its pool's classes below);
+            # spawn gives it its own worker group view with verl's method names
+            self.teacher_wg = self.actor_rollout_wg.spawn(prefix_set={TEACHER_ROLE})[TEACHER_ROLE]
+        elif self.memopd.uses_teacher:
             pool = self.resource_pool_manager.get_resource_pool(TEACHER_ROLE)
-            worker = RayClassWithInitArgs(cls=ray.remote(MemopdTeacherWorker),
-                                          config=teacher_worker_config(self.config, self.memopd))
-            self.teacher_wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker,
+            self.teacher_wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=self._teacher_class(),
                                              device_name=self.config.trainer.device)
+        if self.teacher_wg is not None:
             self.teacher_wg.reset()
-            logger.info("memopd teacher worker group initialized (%d workers)", self.teacher_wg.world_size)
+            print(f"[verl-memopd] teacher worker group initialized ({self.memopd.teacher.placement}, "
+                  f"{self.teacher_wg.world_size} workers)")  # console, like verl's own start-up lines
+
+    def _teacher_class(self) -> RayClassWithInitArgs:
+        return RayClassWithInitArgs(cls=ray.remote(MemopdTeacherWorker),
+                                    config=teacher_worker_config(self.config, self.memopd))
+
+    @property
+    def _teacher_colocated(self) -> bool:
+        return self.memopd.uses_teacher and self.memopd.teacher.placement == "colocate"
+
+    # verl 0.9.1's ``_setup`` assigns this dict once (pool -> {role: worker class}), fills it and
+    # spawns every pool's roles as one fused Ray actor per GPU, with no hook in between. Assigning
+    # through this property adds the teacher to the actor's pool, so ``placement: colocate`` runs it
+    # in the same processes as actor, reference and critic (like verl's own colocated roles).
+    @property
+    def resource_pool_to_cls(self):
+        return self._pool_classes
+
+    @resource_pool_to_cls.setter
+    def resource_pool_to_cls(self, value):
+        self._pool_classes = value
+        if self._teacher_colocated:
+            actor_role = next(r for r in (Role.Actor, Role.ActorRolloutRef, Role.ActorRollout) if r in self.mapping)
+            value[self.resource_pool_manager.get_resource_pool(actor_role)][TEACHER_ROLE] = self._teacher_class()
 
     # --- one step ---------------------------------------------------------------------------
     def _compute_old_log_prob(self, batch, metrics):
         with marked_timer("memopd_layout", self.timing_raw, color="white"):
             metrics.update(restore_layout(batch, self.memopd.layout))
+        audit = self.memopd.audits_at(self.global_steps)
+        rce = audit and self.memopd.audit.rce and self.memopd.layout == "packed"  # flat rows have no call blocks
+        if rce:
+            batch.extra_info[RCE_FLAG] = True  # the actor engine re-runs every call alone (audit.py)
+        meta = batch
         batch = super()._compute_old_log_prob(batch, metrics)
+        if rce:
+            meta.extra_info.pop(RCE_FLAG, None)  # not for the reference / critic forwards
+            batch.extra_info.pop(RCE_FLAG, None)
+            rows = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=[RCE_FIELD])
+            metrics.update(rce_metrics(rows[RCE_FIELD].unbind()))
         if self.teacher_wg is not None:
             with marked_timer("teacher", self.timing_raw, color="purple"):
-                batch.extra_info.update({"compute_loss": False,
-                                         "temperature": self.config.actor_rollout_ref.rollout.temperature})
-                output = self.teacher_wg.infer_batch(batch)
-                ray.get(output.futures)
+                self._score_with_teacher(batch)
+            if audit and self.memopd.audit.teacher_flat_kl and self.memopd.layout == "packed":
+                with marked_timer("memopd_audit_teacher_flat", self.timing_raw, color="purple"):
+                    restore_layout(batch, "flat")
+                    self._score_with_teacher(batch, output_key=TEACHER_HIDDEN_FLAT)
+                    restore_layout(batch, self.memopd.layout)
+        return batch
+
+    def _score_with_teacher(self, batch, output_key=None):
+        """The teacher worker group scores the rows' current layout into TransferQueue."""
+        batch.extra_info.update({"compute_loss": False,
+                                 "temperature": self.config.actor_rollout_ref.rollout.temperature})
+        if output_key is not None:
+            batch.extra_info[TEACHER_OUTPUT_KEY] = output_key
+        output = self.teacher_wg.infer_batch(batch)
+        ray.get(output.futures)
+        batch.extra_info.pop(TEACHER_OUTPUT_KEY, None)
+
+    def _compute_advantage(self, batch, metrics):
+        """verl's advantage step on ``r - beta*[l_old - l_ref]_+`` (``memopd.kl_penalty_coef``)."""
+        if not self.memopd.uses_reference:
+            return super()._compute_advantage(batch, metrics)
+        scores, rewards, penalty_metrics = penalise_in_place(batch, self.memopd.kl_penalty_coef)
+        metrics.update(penalty_metrics)
+        batch = super()._compute_advantage(batch, metrics)
+        # task scores back under rm_scores (critic/score = F1); the penalised ones under token_level_rewards
+        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=scores.update(rewards))
         return batch

@@ -1,0 +1,103 @@
+"""In-training audits of the layout (``memopd.audit``), run on every N-th step.
+
+RCE spot-check (actor, old-log-prob forward)
+    Packed layout only. The method's Rollout Context Equivalence: each call's block, run inside the packed row, must
+    give the same full-vocabulary logits as the call run alone, ``[q, x_t, a_t]`` with its own
+    positions and plain causal attention. The actor engine re-runs every call of the micro-batch
+    alone -- all of them in one extra forward, so every data-parallel rank makes the same number
+    of forwards -- and returns, per row, the max abs logit difference of each call
+    (``memopd_rce_max_abs_diff``, (B, n_calls*)). The trainer reports ``memopd/audit/rce_*``.
+
+Aligned-vs-flat teacher KL (teacher + actor loss)
+    Packed layout only. The teacher scores the step's rows a second time under the flat layout (persistent history,
+    the paper's baseline) into ``memopd_teacher_hidden_flat``; the actor loss reports
+    ``KL(p_T aligned || p_T flat)`` per teacher-supervised token: how far the baseline's
+    supervision is from the state the student sampled in.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from verl_memopd.packing import segment_meta
+
+#: non-tensor flag on the old-log-prob batch: run the RCE spot-check in the actor engine
+RCE_FLAG = "memopd_audit_rce"
+#: per-row output of the RCE spot-check: max |logit_packed - logit_alone| of each call, (n_calls,)
+RCE_FIELD = "memopd_rce_max_abs_diff"
+#: non-tensor option of a teacher batch: the TransferQueue field its hidden states go to
+TEACHER_OUTPUT_KEY = "memopd_teacher_output_key"
+TEACHER_HIDDEN_FLAT = "memopd_teacher_hidden_flat"
+
+
+def calls_alone(input_ids: list[torch.Tensor], position_ids: list[torch.Tensor],
+                segment_ids: list[torch.Tensor]) -> tuple[dict, list[list[tuple[torch.Tensor, int, int]]]]:
+    """Each row's calls as standalone sequences, concatenated into one stream.
+
+    Args (one entry per row b, each (L_b,)): the packed row's tokens, restored positions and
+    segment ids (0 = q, t+1 = call t's block).
+
+    Returns ``(inputs, spans)``: ``inputs`` holds ``input_ids`` / ``position_ids`` (1, N') and
+    ``memopd_segments`` (every call its own plain causal row); ``spans[b][t] = (block_index,
+    start, end)``: the packed-row indices of call t's block and where its logits lie in the stream.
+    """
+    ids, pos, rows, spans = [], [], [], []
+    offset, n = 0, 0
+    for b, (tok, p, seg) in enumerate(zip(input_ids, position_ids, segment_ids)):
+        row_spans = []
+        for call in range(1, int(seg.max()) + 1):
+            keep = torch.nonzero((seg == 0) | (seg == call), as_tuple=True)[0]
+            block = torch.nonzero(seg == call, as_tuple=True)[0]
+            if block.numel() == 0:
+                continue
+            ids.append(tok[keep])
+            pos.append(p[keep])
+            rows.append(torch.full((keep.numel(),), n, dtype=torch.long))
+            row_spans.append((block, offset + keep.numel() - block.numel(), offset + keep.numel()))
+            offset += keep.numel()
+            n += 1
+        spans.append(row_spans)
+    if not ids:
+        raise ValueError("RCE spot-check: no call blocks (segment ids > 0) in the micro-batch; it audits the "
+                         "packed layout only")
+    stream_pos = torch.cat(pos)
+    meta = segment_meta(torch.zeros_like(stream_pos), torch.cat(rows).to(stream_pos.device), stream_pos)
+    inputs = {"input_ids": torch.cat(ids).unsqueeze(0), "position_ids": stream_pos.unsqueeze(0),
+              "memopd_segments": meta.to(stream_pos.device)}
+    return inputs, spans
+
+
+def rce_diffs(packed_logits: list[torch.Tensor], alone_logits: torch.Tensor,
+              spans: list[list[tuple[torch.Tensor, int, int]]]) -> list[torch.Tensor]:
+    """Per row, the max abs difference of each call's block logits: packed (L_b, V) per row vs
+    the calls-alone stream (N', V). Returns (n_calls_b,) float32 per row."""
+    out = []
+    for logits, row_spans in zip(packed_logits, spans):
+        diffs = [(logits[block].float() - alone_logits[start:end].float()).abs().max() for block, start, end in row_spans]
+        out.append(torch.stack(diffs) if diffs else torch.zeros(0))
+    return out
+
+
+def rce_metrics(per_row: list[torch.Tensor]) -> dict[str, float]:
+    """``memopd/audit/rce_*`` from the per-row, per-call max abs differences."""
+    diffs = torch.cat([d.reshape(-1).float() for d in per_row])
+    return {"memopd/audit/rce_max_abs_diff": float(diffs.max()),
+            "memopd/audit/rce_mean_abs_diff": float(diffs.mean()),
+            "memopd/audit/rce_calls_checked": float(diffs.numel())}
+
+
+@torch.no_grad()
+def teacher_layout_kl(head: torch.Tensor, aligned: torch.Tensor, flat: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """``KL(p_T aligned || p_T flat)`` per token from the teacher's final hidden states under the two
+    layouts, both (A, H), and its output head (V_rows, H); exact over the vocabulary, ``chunk``
+    tokens at a time. Returns (A,) float32."""
+    if aligned.shape != flat.shape:
+        raise ValueError(f"teacher_layout_kl: aligned {tuple(aligned.shape)} and flat {tuple(flat.shape)} "
+                         f"hidden states differ (both layouts must score the same tokens)")
+    out = []
+    for i in range(0, aligned.shape[0], chunk):
+        la = F.log_softmax(aligned[i:i + chunk].float() @ head.float().T, dim=-1)
+        lf = F.log_softmax(flat[i:i + chunk].float() @ head.float().T, dim=-1)
+        out.append((la.exp() * (la - lf)).sum(-1))
+    return torch.cat(out) if out else aligned.new_zeros(0, dtype=torch.float32)
