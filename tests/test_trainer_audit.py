@@ -112,7 +112,9 @@ def test_clipped_kl_penalty_only_charges_drift_above_the_reference():
         clipped_kl_penalty(old, ref[:, :3], mask, 0.1)
 
 
-def test_rce_spot_check_refuses_rows_without_call_blocks():
+def test_rce_spot_check_skips_rows_without_call_blocks():
     ids = torch.arange(6)
-    with pytest.raises(ValueError, match="no call blocks"):
-        calls_alone([ids], [ids], [torch.zeros(6, dtype=torch.long)])
+    inputs, spans = calls_alone([ids], [ids], [torch.zeros(6, dtype=torch.long)])  # a verl padding row
+    assert spans == [[]] and inputs["input_ids"].tolist() == [[0]]  # one token: the ranks' forwards stay in step
+    assert rce_diffs([torch.zeros(6, 4)], torch.zeros(0, 4), spans)[0].numel() == 0
+    assert rce_metrics([torch.zeros(0)]) == {}

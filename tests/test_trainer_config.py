@@ -49,6 +49,10 @@ def test_recipe_and_baselines_compose(tmp_path, monkeypatch, tiny_models):
         (["+memopd.distill.lamda=1"], "memopd.distill: unknown key(s) ['lamda']"),
         (["memopd.distill.coef=-1"], "memopd.distill.coef=-1 must be >= 0"),
         (["memopd.teacher.placement=elsewhere"], "memopd.teacher.placement='elsewhere'"),
+        (["memopd.teacher.n_gpus_per_node=0"], "placement=separate needs n_gpus_per_node >= 1"),
+        (["memopd.kl_penalty_coef=-0.1"], "memopd.kl_penalty_coef=-0.1 must be >= 0"),
+        (["memopd.audit.every_n_steps=-1"], "memopd.audit.every_n_steps=-1 must be >= 0"),
+        (["memopd.distill.coef=0", "algorithm.use_kl_in_reward=true"], "would penalise the reward twice"),
     ],
 )
 def test_bad_memopd_config_is_refused(tmp_path, monkeypatch, overrides, message):

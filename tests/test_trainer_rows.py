@@ -10,7 +10,7 @@ from verl_memopd.agent.loop import EXTRA_EPISODE, EXTRA_POSITION_IDS, EXTRA_SEGM
 from verl_memopd.packing import pack_episode
 from verl_memopd.records import Episode, Invocation
 from verl_memopd.trainer.engine import micro_batch_segments
-from verl_memopd.trainer.rows import SEGMENT_IDS, MemopdRowError, layout_fields, sharing_metrics
+from verl_memopd.trainer.rows import SEGMENT_IDS, MemopdRowError, layout_fields, padding_fields, sharing_metrics
 
 Q = (5, 6, 7)
 
@@ -82,3 +82,13 @@ def test_engine_metadata_is_the_same_for_both_verl_micro_batch_paths():
     assert stream[7, :3].all() and not stream[7, 3:7].any() and stream[7, 7]
     # row 1 (flat): plain causal; rows never see each other
     assert stream[17, 11:18].all() and not stream[11:, :11].any()
+
+
+def test_verl_padding_rows_get_a_plain_layout_and_no_teacher_tokens():
+    f = padding_fields(127, 1)  # verl's synthetic padding row: 127 prompt tokens + 1 response token
+    assert f["position_ids"].tolist() == list(range(128)) and f[SEGMENT_IDS].eq(0).all()
+    assert f["memopd_teacher_mask"].tolist() == [0] and f["memopd_call_index"].tolist() == [0]
+    ep = _episode()
+    td = _micro_batch([layout_fields(3, 8, _extra(ep), "packed", "a"), f], use_rmpad=True)
+    vis = micro_batch_segments(td, use_remove_padding=True).visibility()
+    assert not vis[11:, :11].any() and not vis[:11, 11:].any()  # the padding row is its own causal sequence

@@ -108,6 +108,9 @@ class MemopdConfig:
         if self.teacher.placement not in TEACHER_PLACEMENTS:
             raise MemopdConfigError(f"memopd.teacher.placement={self.teacher.placement!r}: expected one of "
                                     f"{TEACHER_PLACEMENTS}")
+        if self.teacher.placement == "separate" and min(self.teacher.n_gpus_per_node, self.teacher.nnodes) < 1:
+            raise MemopdConfigError(f"memopd.teacher: placement=separate needs n_gpus_per_node >= 1 and nnodes >= 1, "
+                                    f"got {self.teacher.n_gpus_per_node} x {self.teacher.nnodes}; or placement=colocate")
         if self.distill.teacher_mask not in TEACHER_MASK_POLICIES:
             raise MemopdConfigError(f"memopd.distill.teacher_mask={self.distill.teacher_mask!r}: expected one of "
                                     f"{TEACHER_MASK_POLICIES}")

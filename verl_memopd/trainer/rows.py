@@ -10,6 +10,10 @@ for the step's keys, the fields every later forward reads (actor, ref, critic, t
     memopd_teacher_mask   (R,) m_T per response token
     memopd_call_index     (R,) call t of each response token (per-invocation metrics)
 
+verl's synthetic padding rows (tag ``is_padding``; appended when the batch does not divide into the
+data-parallel / mini-batch sizes) copy the first real row's ``extra_fields``; they get a plain
+layout and an all-zero teacher mask instead, so they never carry teacher supervision.
+
 It also reports what sharing ``q`` saves: the packed row holds ``P + R`` tokens, running the calls
 one by one would take ``sum_t (|prompt_t| + |response_t|)`` (``memopd/*`` metrics of the step).
 """
@@ -49,6 +53,14 @@ def layout_fields(prompt_len: int, response_len: int, extra: dict, layout: str, 
     return {"position_ids": positions, SEGMENT_IDS: segments, TEACHER_MASK: teacher_mask, CALL_INDEX: calls}
 
 
+def padding_fields(prompt_len: int, response_len: int) -> dict:
+    """The fields of a verl padding row: positions 0..L-1, one causal segment, no teacher tokens."""
+    n = prompt_len + response_len
+    zeros = torch.zeros(response_len, dtype=torch.int64)
+    return {"position_ids": torch.arange(n), SEGMENT_IDS: torch.zeros(n, dtype=torch.int64), TEACHER_MASK: zeros,
+            CALL_INDEX: zeros.clone()}
+
+
 def sharing_metrics(rows: list[tuple[int, dict]]) -> dict[str, float]:
     """``memopd/*`` token accounting of a step: ``rows`` = (packed length P + R, extra_fields) per row."""
     packed = sum(n for n, _ in rows)
@@ -68,9 +80,13 @@ def restore_layout(batch, layout: str) -> dict[str, float]:
     data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                            select_fields=["prompts", "responses", "extra_fields"])
     rows, lengths = [], []
-    for key, prompt, response, extra in zip(batch.keys, data["prompts"].unbind(), data["responses"].unbind(),
-                                            data["extra_fields"]):
-        rows.append(layout_fields(prompt.numel(), response.numel(), extra, layout, f"row {key}"))
-        lengths.append((prompt.numel() + response.numel(), extra))
+    for key, tag, prompt, response, extra in zip(batch.keys, batch.tags, data["prompts"].unbind(),
+                                                 data["responses"].unbind(), data["extra_fields"]):
+        p, r = prompt.numel(), response.numel()
+        if tag.get("is_padding", False):
+            rows.append(padding_fields(p, r))
+            continue
+        rows.append(layout_fields(p, r, extra, layout, f"row {key}"))
+        lengths.append((p + r, extra))
     tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=list_of_dict_to_tensordict(rows))
     return sharing_metrics(lengths)
