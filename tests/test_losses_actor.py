@@ -228,6 +228,19 @@ def test_coef_zero_is_ppo_only_and_reads_no_teacher_fields():
     torch.testing.assert_close(loss, want)
 
 
+def test_a_mini_batch_of_verl_padding_rows_only_is_ppo_only():
+    params = _params()
+    data = _batch(params)
+    padding = data.clone()  # verl's synthetic rows: no action tokens, hence no teacher tokens, on any rank
+    padding["response_mask"] = padding["loss_mask"] = _nested([torch.zeros_like(m) for m in data["response_mask"].unbind()])
+    padding["memopd_teacher_mask"] = _nested([torch.zeros_like(m) for m in data["memopd_teacher_mask"].unbind()])
+    tu.assign_non_tensor(padding, batch_num_tokens=0, memopd_teacher_num_tokens=0)
+    loss, metrics = _call(params, padding)
+    want, _ = ppo_loss(_actor_config(), _model_output(params, padding), padding)  # verl's own term (0/0 there)
+    torch.testing.assert_close(loss, want, equal_nan=True)
+    assert not any(k.startswith("memopd/") for k in metrics)
+
+
 # --- bad input -------------------------------------------------------------------------------------
 def _call(params, data, **opd):
     return memopd_actor_loss(_actor_config(), OPDLossConfig(vocab_size=V, **opd), _model_output(params, data), data)

@@ -273,6 +273,13 @@ def _metrics(opd_config, result: DivergenceResult, pos: _Positions, data, weight
     return metrics
 
 
+def _padding_only(data: TensorDict) -> bool:
+    """A mini-batch of verl's synthetic padding rows only (``batch_num_tokens``: action tokens on all
+    DP ranks = 0): nothing to distil, and verl's PPO term is 0 too. A mini-batch WITH action tokens
+    but no teacher tokens still fails in :func:`opd_loss` (it would train without its teacher)."""
+    return int(tu.get_non_tensor_data(data=data, key="batch_num_tokens", default=1)) == 0
+
+
 def memopd_actor_loss(config, opd_config: OPDLossConfig, model_output: dict, data: TensorDict, dp_group=None):
     """verl actor-loss hook: ``L_PPO(m_act) - alpha*H + lambda*L_OPD(m_T)`` -> (loss, metrics).
 
@@ -280,7 +287,7 @@ def memopd_actor_loss(config, opd_config: OPDLossConfig, model_output: dict, dat
     aggregation); ``opd_config`` the teacher branch. Same signature as verl's ``ppo_loss``.
     """
     policy_loss, metrics = ppo_loss(config, model_output, data, dp_group)
-    if opd_config.coef == 0:
+    if opd_config.coef == 0 or _padding_only(data):
         return policy_loss, metrics
     distill, opd_metrics = opd_loss(opd_config, model_output, data)
     metrics.update(opd_metrics)

@@ -54,5 +54,5 @@ class MemopdActorLoss:
         of the global per-token mean (like the ``memopd/*`` loss metrics)."""
         aligned, flat = data[TEACHER_HIDDEN].values(), data[TEACHER_HIDDEN_FLAT].values()
         kl = teacher_layout_kl(self.teacher_head(aligned.device), aligned, flat, self.opd_config.token_chunk_size)
-        weight = tu.get_non_tensor_data(data, "dp_size", 1) / tu.get_non_tensor_data(data, TEACHER_NUM_TOKENS, 1)
+        weight = tu.get_non_tensor_data(data, "dp_size", 1) / max(tu.get_non_tensor_data(data, TEACHER_NUM_TOKENS, 1), 1)
         return {"memopd/audit/teacher_aligned_vs_flat_kl": Metric(AggregationType.SUM, kl.sum() * weight)}
