@@ -8,8 +8,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from verl_memopd.attention import (
     BACKENDS, PackedAttentionError, attention_implementation, forward_layout, get_backend, hf_name, register_backend,
 )
-from verl_memopd.packing import PAD_SEGMENT, build_layout, segment_meta
+from verl_memopd.packing import build_layout
 from verl_memopd.rce import EpisodeShape, random_episodes
+from verl_memopd.segments import PAD_SEGMENT, segment_meta
 
 VOCAB = 128
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from verl_memopd.packing import (
-    BatchLayout, LayoutError, SegmentMeta, build_layout, layout_names, pack_episode, packed_rows_segments,
-    padded_batch_segments, register_layout, segment_meta,
+    BatchLayout, build_layout, layout_names, pack_episode, packed_rows_segments, register_layout,
 )
 from verl_memopd.rce import EpisodeShape, random_episodes
 from verl_memopd.records import Episode, Invocation, RecordError
+from verl_memopd.segments import LayoutError, SegmentMeta, padded_batch_segments, segment_meta
 
 VOCAB = 97
 LAYOUTS = ("packed", "per_call", "per_call_varlen", "flat")

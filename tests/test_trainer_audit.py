@@ -5,8 +5,9 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from verl_memopd.attention import attention_implementation, hf_name
-from verl_memopd.packing import pack_episode, segment_meta
+from verl_memopd.packing import pack_episode
 from verl_memopd.rce import EpisodeShape, random_episodes
+from verl_memopd.segments import segment_meta
 from verl_memopd.tiny import student_config
 from verl_memopd.trainer.audit import calls_alone, rce_diffs, rce_metrics, teacher_layout_kl
 from verl_memopd.trainer.reward import clipped_kl_penalty, penalty_metrics

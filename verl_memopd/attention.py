@@ -1,4 +1,4 @@
-"""Packed attention: executes a layout's :class:`~verl_memopd.packing.SegmentMeta` (stage 3).
+"""Packed attention: executes a layout's :class:`~verl_memopd.segments.SegmentMeta` (stage 3).
 
 Hugging Face models call their attention through ``transformers.AttentionInterface``; every
 backend here is registered there under its own name (``hf_name(backend)``: ``memopd_torch``,
@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from verl_memopd.packing import BatchLayout, SegmentMeta
+from verl_memopd.packing import BatchLayout
+from verl_memopd.segments import SegmentMeta
 
 __all__ = [
     "BACKENDS", "HF_NAMES", "PackedAttentionError", "register_backend", "get_backend", "hf_name", "backend_of",

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from verl_memopd.packing import segment_meta
+from verl_memopd.segments import segment_meta
 
 #: non-tensor flag on the old-log-prob batch: run the RCE spot-check in the actor engine
 RCE_FLAG = "memopd_audit_rce"

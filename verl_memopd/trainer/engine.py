@@ -26,7 +26,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDP
 from verl_memopd.attention import PackedAttentionError, require_packed_attention
 from verl_memopd.losses.actor import TEACHER_MASK, assign_global_teacher_counts
 from verl_memopd.platform.patches import patch_verl_valuehead_attention
-from verl_memopd.packing import SegmentMeta, padded_batch_segments, segment_meta
+from verl_memopd.segments import SegmentMeta, padded_batch_segments, segment_meta
 from verl_memopd.supervision import TEACHER_HIDDEN
 from verl_memopd.trainer.audit import RCE_FIELD, RCE_FLAG, TEACHER_OUTPUT_KEY, calls_alone, rce_diffs
 from verl_memopd.trainer.rows import SEGMENT_IDS
