@@ -104,3 +104,20 @@ def test_flat_baseline_with_grpo_and_a_colocated_teacher(tmp_path):
     assert "[verl-memopd] teacher worker group initialized (colocate" in run.log
     print(f"flat + grpo + colocated teacher: rollout_probs_diff_max={metrics['training/rollout_probs_diff_max']:.3g} "
           f"reverse_kl={metrics['actor/memopd/reverse_kl']:.4g} step={metrics['timing_s/step']:.3g}s")
+
+
+@pytest.mark.slow
+def test_per_call_layout_runs_every_forward_call_by_call(tmp_path):
+    """The unpacked baseline of the speed-up: the same rows, each call run alone in every forward."""
+    run = _quickstart(tmp_path, "memopd.layout=per_call", "trainer.total_training_steps=2", "trainer.save_freq=-1",
+                      "trainer.test_freq=-1")
+    assert run.returncode == 0, run.tail()
+    metrics = run.steps[2]
+    assert not non_finite(metrics)
+    assert all(k in metrics for k in MEMOPD_METRICS), sorted(k for k in metrics if "memopd" in k)
+    # outputs read back in the packed order: the trainer's log-probs are vLLM's, call by call
+    assert metrics["training/rollout_probs_diff_max"] < 1e-3, metrics["training/rollout_probs_diff_max"]
+    print("per_call layout, step 2: " + ", ".join(
+        f"{k}={metrics[k]:.4g}" for k in ("timing_s/teacher", "timing_s/old_log_prob", "timing_s/ref",
+                                          "timing_s/values", "timing_s/update_critic", "timing_s/update_actor",
+                                          "timing_s/step", "actor/memopd/reverse_kl")))

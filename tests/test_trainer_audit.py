@@ -9,7 +9,8 @@ from verl_memopd.packing import pack_episode
 from verl_memopd.rce import EpisodeShape, random_episodes
 from verl_memopd.segments import segment_meta
 from verl_memopd.tiny import student_config
-from verl_memopd.trainer.audit import calls_alone, rce_diffs, rce_metrics, teacher_layout_kl
+from verl_memopd.trainer.audit import rce_diffs, rce_metrics, teacher_layout_kl
+from verl_memopd.trainer.calls import calls_alone
 from verl_memopd.trainer.reward import clipped_kl_penalty, penalty_metrics
 
 VOCAB = 256
@@ -48,7 +49,7 @@ def _stream_logits(model, rows, flat=False):
 
 @torch.no_grad()
 def _audit(model, rows, packed_logits):
-    inputs, spans = calls_alone(*(list(x) for x in zip(*rows)))
+    inputs, spans, _ = calls_alone(*(list(x) for x in zip(*rows)))
     alone = model(**inputs, attention_mask=None, use_cache=False).logits[0]
     return rce_diffs(packed_logits, alone, spans), spans
 
@@ -78,7 +79,7 @@ def test_rce_spot_check_sees_the_flat_layout_misalignment(model):
 
 def test_rce_spot_check_agrees_with_the_sdpa_reference(model):
     rows = _rows(3, 3)
-    inputs, spans = calls_alone(*(list(x) for x in zip(*rows)))
+    inputs, spans, _ = calls_alone(*(list(x) for x in zip(*rows)))
     packed = _stream_logits(model, rows)
     with torch.no_grad(), attention_implementation(model, "sdpa"):
         for (ids, pos, seg), row_spans, logits in zip(rows, spans, packed):
@@ -113,9 +114,21 @@ def test_clipped_kl_penalty_only_charges_drift_above_the_reference():
         clipped_kl_penalty(old, ref[:, :3], mask, 0.1)
 
 
-def test_rce_spot_check_skips_rows_without_call_blocks():
+def test_rows_without_call_blocks_run_as_themselves():
     ids = torch.arange(6)
-    inputs, spans = calls_alone([ids], [ids], [torch.zeros(6, dtype=torch.long)])  # a verl padding row
-    assert spans == [[]] and inputs["input_ids"].tolist() == [[0]]  # one token: the ranks' forwards stay in step
-    assert rce_diffs([torch.zeros(6, 4)], torch.zeros(0, 4), spans)[0].numel() == 0
+    inputs, spans, index = calls_alone([ids], [ids], [torch.zeros(6, dtype=torch.long)])  # a verl padding row
+    assert spans == [[]] and inputs["input_ids"].tolist() == [ids.tolist()] and index.tolist() == list(range(6))
     assert rce_metrics([torch.zeros(0)]) == {}
+
+
+@torch.no_grad()
+def test_per_call_execution_reads_back_the_packed_order(model):
+    """memopd.layout=per_call: every call run alone, outputs gathered back to the packed stream, equal
+    to the packed forward (RCE) -- the same numbers at the cost of repeating q per call."""
+    rows = _rows(4, 5) + [(torch.arange(7), torch.arange(7), torch.zeros(7, dtype=torch.long))]  # + a padding row
+    inputs, _, index = calls_alone(*(list(x) for x in zip(*rows)))
+    n = sum(r[0].numel() for r in rows)
+    assert index.shape == (n,) and inputs["input_ids"].shape[1] > n  # q is repeated per call
+    torch.testing.assert_close(inputs["input_ids"][0, index], torch.cat([r[0] for r in rows]))
+    alone = model(**inputs, use_cache=False).logits[:, index][0]
+    torch.testing.assert_close(alone, torch.cat(_stream_logits(model, rows)), atol=1e-4, rtol=1e-4)

@@ -85,10 +85,19 @@ def test_engine_metadata_is_the_same_for_both_verl_micro_batch_paths():
 
 
 def test_verl_padding_rows_get_a_plain_layout_and_no_teacher_tokens():
-    f = padding_fields(127, 1)  # verl's synthetic padding row: 127 prompt tokens + 1 response token
+    f = padding_fields(127, 1, "packed")  # verl's synthetic padding row: 127 prompt tokens + 1 response token
     assert f["position_ids"].tolist() == list(range(128)) and f[SEGMENT_IDS].eq(0).all()
     assert f["memopd_teacher_mask"].tolist() == [0] and f["memopd_call_index"].tolist() == [0]
     ep = _episode()
     td = _micro_batch([layout_fields(3, 8, _extra(ep), "packed", "a"), f], use_rmpad=True)
     vis = micro_batch_segments(td, use_remove_padding=True).visibility()
     assert not vis[11:, :11].any() and not vis[:11, 11:].any()  # the padding row is its own causal sequence
+
+
+def test_per_call_rows_are_the_packed_rows_flagged_for_call_by_call_execution():
+    ep = _episode()
+    packed = layout_fields(3, 8, _extra(ep), "packed", "a")
+    per_call = layout_fields(3, 8, _extra(ep), "per_call", "a")
+    assert per_call.pop("memopd_calls_alone").item() == 1 and "memopd_calls_alone" not in packed
+    assert all(torch.equal(per_call[k], packed[k]) for k in packed)
+    assert padding_fields(127, 1, "per_call")["memopd_calls_alone"].item() == 1  # every row has the same keys

@@ -10,8 +10,8 @@ The data flow is the package layout, one stage per module::
       -> attention   executes a layout: torch reference / flash-attn varlen
       -> supervision teacher -> actor transport (hidden states | top-k + tail)
       -> losses      chunked full-vocabulary divergences, PPO + OPD actor loss
-      -> trainer/    verl wiring: row layouts, packed engines, teacher worker group,
-                     actor loss, the memopd trainer (recipe: hydra_configs/recipe/memopd.yaml)
+      -> trainer/    verl wiring: row layouts, packed engines, teacher worker group, reward
+                     penalty, actor loss, audits, the memopd trainer (recipe: hydra_configs/recipe/memopd.yaml)
 
     platform / patches: verl on CPU (tests and smoke runs only)
 

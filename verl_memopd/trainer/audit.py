@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from verl_memopd.segments import segment_meta
 
 #: non-tensor flag on the old-log-prob batch: run the RCE spot-check in the actor engine
 RCE_FLAG = "memopd_audit_rce"
@@ -29,42 +28,6 @@ RCE_FIELD = "memopd_rce_max_abs_diff"
 #: non-tensor option of a teacher batch: the TransferQueue field its hidden states go to
 TEACHER_OUTPUT_KEY = "memopd_teacher_output_key"
 TEACHER_HIDDEN_FLAT = "memopd_teacher_hidden_flat"
-
-
-def calls_alone(input_ids: list[torch.Tensor], position_ids: list[torch.Tensor],
-                segment_ids: list[torch.Tensor]) -> tuple[dict, list[list[tuple[torch.Tensor, int, int]]]]:
-    """Each row's calls as standalone sequences, concatenated into one stream.
-
-    Args (one entry per row b, each (L_b,)): the packed row's tokens, restored positions and
-    segment ids (0 = q, t+1 = call t's block).
-
-    Returns ``(inputs, spans)``: ``inputs`` (one token if no row has a call block) holds ``input_ids`` / ``position_ids`` (1, N') and
-    ``memopd_segments`` (every call its own plain causal row); ``spans[b][t] = (block_index,
-    start, end)``: the packed-row indices of call t's block and where its logits lie in the stream.
-    """
-    ids, pos, rows, spans = [], [], [], []
-    offset, n = 0, 0
-    for b, (tok, p, seg) in enumerate(zip(input_ids, position_ids, segment_ids)):
-        row_spans = []
-        for call in range(1, int(seg.max()) + 1):
-            keep = torch.nonzero((seg == 0) | (seg == call), as_tuple=True)[0]
-            block = torch.nonzero(seg == call, as_tuple=True)[0]
-            if block.numel() == 0:
-                continue
-            ids.append(tok[keep])
-            pos.append(p[keep])
-            rows.append(torch.full((keep.numel(),), n, dtype=torch.long))
-            row_spans.append((block, offset + keep.numel() - block.numel(), offset + keep.numel()))
-            offset += keep.numel()
-            n += 1
-        spans.append(row_spans)
-    if not ids:  # only verl padding rows: a one-token stream, so every rank still makes the same forwards
-        ids, pos, rows = [input_ids[0][:1]], [position_ids[0][:1]], [torch.zeros(1, dtype=torch.long)]
-    stream_pos = torch.cat(pos)
-    meta = segment_meta(torch.zeros_like(stream_pos), torch.cat(rows).to(stream_pos.device), stream_pos)
-    inputs = {"input_ids": torch.cat(ids).unsqueeze(0), "position_ids": stream_pos.unsqueeze(0),
-              "memopd_segments": meta.to(stream_pos.device)}
-    return inputs, spans
 
 
 def rce_diffs(packed_logits: list[torch.Tensor], alone_logits: torch.Tensor,

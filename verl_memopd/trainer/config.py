@@ -16,8 +16,9 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-#: Layouts the trainer can execute (``verl_memopd.packing``): packed = MemOPD, flat = persistent history.
-TRAINER_LAYOUTS = ("packed", "flat")
+#: Layouts the trainer can execute: packed = MemOPD, per_call = the same rows run call by call
+#: (packing's speed baseline, numerically equal), flat = persistent history (the paper's baseline).
+TRAINER_LAYOUTS = ("packed", "per_call", "flat")
 TEACHER_PLACEMENTS = ("separate", "colocate")
 TEACHER_MASK_POLICIES = ("action",)
 
@@ -86,8 +87,10 @@ class MemopdConfig:
     """``memopd``: layout, task-branch coefficients, teacher branch and audits; ``agent`` is read by
     the memory agent loop itself.
 
-    layout: ``packed`` (MemOPD: restored positions, block visibility) or ``flat`` (the same rows
-        run with positions 0..L-1 and plain causal attention: persistent-history baseline).
+    layout: ``packed`` (MemOPD: restored positions, block visibility), ``per_call`` (the same rows,
+        every forward running each call alone with ``q`` repeated: the unpacked speed baseline) or
+        ``flat`` (the same rows run with positions 0..L-1 and plain causal attention:
+        persistent-history baseline).
     entropy_coef: alpha in ``L = L_PPO - alpha*H + lambda*L_OPD``; the recipe points verl's
         ``actor_rollout_ref.actor.entropy_coeff`` at it.
     kl_penalty_coef: beta of the reward's clipped KL penalty ``r - beta*[l_old - l_ref]_+``

@@ -11,6 +11,10 @@ packed-attention metadata from the row's ``memopd_segment_ids`` (restored by
     memopd_value_model     critic
     memopd_teacher         teacher worker group: final post-norm hidden states at m_T positions
 
+With ``memopd.layout=per_call`` (rows flagged ``memopd_calls_alone``) the same engines run every
+call as its own sequence (``verl_memopd.trainer.calls``) and read the outputs back in the packed
+order (the remove-padding stream or verl's padded batch): the per-call baseline.
+
 Both of verl's micro-batch paths are supported: remove-padding (one ``(1, N)`` token stream)
 and padded ``(B, L)`` (right-padded rows; padding runs are isolated segments). Ulysses
 sequence parallelism is refused (its slicing does not know the segments).
@@ -28,12 +32,27 @@ from verl_memopd.losses.actor import TEACHER_MASK, assign_global_teacher_counts
 from verl_memopd.platform.patches import patch_verl_valuehead_attention
 from verl_memopd.segments import SegmentMeta, padded_batch_segments, segment_meta
 from verl_memopd.supervision import TEACHER_HIDDEN
-from verl_memopd.trainer.audit import RCE_FIELD, RCE_FLAG, TEACHER_OUTPUT_KEY, calls_alone, rce_diffs
+from verl_memopd.trainer.audit import RCE_FIELD, RCE_FLAG, TEACHER_OUTPUT_KEY, rce_diffs
+from verl_memopd.trainer.calls import CALLS_ALONE, calls_alone
 from verl_memopd.trainer.rows import SEGMENT_IDS
 
 STUDENT_LOGITS = "memopd_logits"
+PACKED_INDEX = "memopd_packed_index"  # output_args keys of the per_call execution (calls.py)
+PADDED_MASK = "memopd_padded_mask"
 _DEVICES = ["cuda", "npu", "cpu"]
 _BACKENDS = ["fsdp", "fsdp2"]
+
+
+def _rows(micro_batch) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """Per-row tokens, restored positions and segment ids of a NO_PADDING micro-batch."""
+    return tuple(micro_batch[k].unbind() for k in ("input_ids", "position_ids", SEGMENT_IDS))
+
+
+def _executes_calls_alone(micro_batch) -> bool:
+    if CALLS_ALONE not in micro_batch.keys():
+        return False
+    flag = micro_batch[CALLS_ALONE]
+    return bool((flag.values() if flag.is_nested else flag).any())
 
 
 def micro_batch_segments(micro_batch, use_remove_padding: bool) -> SegmentMeta:
@@ -76,10 +95,44 @@ class _PackedRows:
     def prepare_model_inputs(self, micro_batch):
         model_inputs, output_args = super().prepare_model_inputs(micro_batch)
         use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
-        meta = micro_batch_segments(micro_batch, use_rmpad)
-        model_inputs["memopd_segments"] = meta.to(model_inputs["input_ids"].device)
+        device = model_inputs["input_ids"].device
+        if _executes_calls_alone(micro_batch):
+            if output_args.get("pad_size", 0):
+                raise PackedAttentionError("memopd.layout=per_call does not support static sequence padding")
+            inputs, _, index = calls_alone(*_rows(micro_batch))
+            if not use_rmpad:  # verl reads (B, L, *) outputs: where each packed token goes in the padded batch
+                lengths = micro_batch["input_ids"].offsets().diff().to(device)
+                width = model_inputs["input_ids"].shape[1]
+                output_args[PADDED_MASK] = torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)
+            model_inputs.update({k: v.to(device) for k, v in inputs.items()})
+            output_args[PACKED_INDEX] = index.to(device)
+        else:
+            model_inputs["memopd_segments"] = micro_batch_segments(micro_batch, use_rmpad).to(device)
         model_inputs["attention_mask"] = None  # visibility is the segments' (padding runs are isolated)
         return model_inputs, output_args
+
+    @staticmethod
+    def packed_order(output, output_args, logits: bool = True):
+        """``memopd.layout=per_call``: the model ran every call alone; put its outputs back in the
+        packed stream's token order (logits / values (1, N, *) unless ``logits=False``, last hidden states)."""
+        index = output_args.get(PACKED_INDEX)
+        if index is None:
+            return output
+        mask = output_args.get(PADDED_MASK)
+
+        def packed(t: torch.Tensor) -> torch.Tensor:  # (1, N', *) -> (1, N, *) stream or (B, L, *) padded
+            t = t[:, index]
+            if mask is None:
+                return t
+            out = t.new_zeros(*mask.shape, *t.shape[2:])
+            out[mask] = t[0]
+            return out
+
+        if logits:
+            output.logits = packed(output.logits)
+        if output.get("hidden_states") is not None:
+            output.hidden_states = (packed(output.hidden_states[-1]),)
+        return output
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         if not forward_only and TEACHER_MASK in data.keys():
@@ -107,6 +160,7 @@ class MemopdLMEngine(_PackedRows, FSDPEngineWithLMHead):
     distribution the OPD divergence needs, aligned like verl's ``log_probs``."""
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+        output = self.packed_order(output, output_args)
         model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
         use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
         if getattr(logits_processor_func, "wants_student_logits", False):
@@ -118,8 +172,7 @@ class MemopdLMEngine(_PackedRows, FSDPEngineWithLMHead):
     def _rce_spot_check(self, logits, micro_batch, use_rmpad: bool) -> torch.Tensor:
         """Audit (``verl_memopd.trainer.audit``): every call of the micro-batch re-run alone in one
         extra forward; per row, the max abs logit difference of each call's block, (B, n_calls*)."""
-        rows = [t.unbind() for t in (micro_batch["input_ids"], micro_batch["position_ids"], micro_batch[SEGMENT_IDS])]
-        inputs, spans = calls_alone(*rows)
+        inputs, spans, _ = calls_alone(*_rows(micro_batch))
         alone = self.module(**inputs, attention_mask=None, use_cache=False).logits.squeeze(0)
         diffs = rce_diffs(_jagged_like(logits, micro_batch, use_rmpad).unbind(), alone, spans)
         return torch.nested.as_nested_tensor(diffs, layout=torch.jagged)
@@ -134,6 +187,10 @@ class MemopdValueEngine(_PackedRows, FSDPEngineWithValueHead):
     def initialize(self):
         patch_verl_valuehead_attention()  # verl 0.9.1 forces flash_attention_2 for value models
         super().initialize()
+
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+        output = self.packed_order(output, output_args)
+        return super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
 
 
 @EngineRegistry.register(model_type="memopd_teacher", backend=_BACKENDS, device=_DEVICES)
@@ -150,6 +207,7 @@ class MemopdTeacherEngine(_PackedRows, FSDPEngineWithLMHead):
         return model_inputs, output_args
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+        output = self.packed_order(output, output_args, logits=False)  # logits_to_keep=1: unused
         use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
         key = tu.get_non_tensor_data(data=micro_batch, key=TEACHER_OUTPUT_KEY, default=TEACHER_HIDDEN)
         hidden = _jagged_like(output.hidden_states[-1], micro_batch, use_rmpad)

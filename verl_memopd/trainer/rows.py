@@ -9,6 +9,8 @@ for the step's keys, the fields every later forward reads (actor, ref, critic, t
     memopd_segment_ids    (P + R,) 0 = q, t+1 = call t      | flat layout: all 0 (one causal segment)
     memopd_teacher_mask   (R,) m_T per response token
     memopd_call_index     (R,) call t of each response token (per-invocation metrics)
+    memopd_calls_alone    () = 1                             per_call layout only: the packed fields,
+                                                             executed call by call (calls.py)
 
 verl's synthetic padding rows (tag ``is_padding``; appended when the batch does not divide into the
 data-parallel / mini-batch sizes) copy the first real row's ``extra_fields``; they get a plain
@@ -26,6 +28,7 @@ from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
 from verl_memopd.agent.loop import EXTRA_EPISODE, EXTRA_POSITION_IDS, EXTRA_SEGMENT_IDS, EXTRA_TEACHER_MASK
 from verl_memopd.losses.actor import CALL_INDEX, TEACHER_MASK
+from verl_memopd.trainer.calls import CALLS_ALONE
 
 SEGMENT_IDS = "memopd_segment_ids"
 
@@ -50,15 +53,23 @@ def layout_fields(prompt_len: int, response_len: int, extra: dict, layout: str, 
     calls = (segments[p:] - 1).clamp(min=0)
     if layout == "flat":
         positions, segments = torch.arange(p + r), torch.zeros(p + r, dtype=torch.int64)
-    return {"position_ids": positions, SEGMENT_IDS: segments, TEACHER_MASK: teacher_mask, CALL_INDEX: calls}
+    fields = {"position_ids": positions, SEGMENT_IDS: segments, TEACHER_MASK: teacher_mask, CALL_INDEX: calls}
+    return _execution(fields, layout)
 
 
-def padding_fields(prompt_len: int, response_len: int) -> dict:
+def padding_fields(prompt_len: int, response_len: int, layout: str) -> dict:
     """The fields of a verl padding row: positions 0..L-1, one causal segment, no teacher tokens."""
     n = prompt_len + response_len
     zeros = torch.zeros(response_len, dtype=torch.int64)
-    return {"position_ids": torch.arange(n), SEGMENT_IDS: torch.zeros(n, dtype=torch.int64), TEACHER_MASK: zeros,
-            CALL_INDEX: zeros.clone()}
+    return _execution({"position_ids": torch.arange(n), SEGMENT_IDS: torch.zeros(n, dtype=torch.int64),
+                       TEACHER_MASK: zeros, CALL_INDEX: zeros.clone()}, layout)
+
+
+def _execution(fields: dict, layout: str) -> dict:
+    """``per_call``: the packed row's fields, flagged for the engines to run each call alone."""
+    if layout == "per_call":
+        fields[CALLS_ALONE] = torch.tensor(1)
+    return fields
 
 
 def sharing_metrics(rows: list[tuple[int, dict]]) -> dict[str, float]:
@@ -84,7 +95,7 @@ def restore_layout(batch, layout: str) -> dict[str, float]:
                                                  data["responses"].unbind(), data["extra_fields"]):
         p, r = prompt.numel(), response.numel()
         if tag.get("is_padding", False):
-            rows.append(padding_fields(p, r))
+            rows.append(padding_fields(p, r, layout))
             continue
         rows.append(layout_fields(p, r, extra, layout, f"row {key}"))
         lengths.append((p + r, extra))
