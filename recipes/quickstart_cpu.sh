@@ -14,7 +14,8 @@
 #   per episode), the packed, state-aligned rows scored by the teacher worker group, GAE with the critic,
 #   PPO + full-vocabulary reverse-KL updates, a checkpoint at step 3; bounded by MEMOPD_TIMEOUT_S (1800).
 # Expect: ~4 min after the install. Per-step lines with actor/memopd/reverse_kl (and per call),
-#   timing_s/{gen,teacher,old_log_prob,values,update_critic,update_actor}, training/rollout_probs_diff_max
+#   timing_s/{gen,teacher,old_log_prob,ref,values,update_critic,update_actor}, memopd/reward_kl/*, memopd/*,
+#   training/rollout_probs_diff_max
 #   ~1e-5 (the trainer reproduces every call's rollout state); then validation F1
 #   (val-core/memopd_memory/tiny/reward/mean@1; ~0 for an untrained tiny student).
 # Baselines: add memopd.layout=flat (persistent history) or memopd.distill.coef=0 (PPO only).
