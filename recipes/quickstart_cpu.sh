@@ -33,7 +33,6 @@ cmd=(timeout "${MEMOPD_TIMEOUT_S:-1800}" python -m verl.trainer.main_ppo +profil
   actor_rollout_ref.rollout.val_kwargs.n=1
   actor_rollout_ref.actor.ppo_mini_batch_size=2 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4
   actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 critic.ppo_micro_batch_size_per_gpu=4
-  actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4
   actor_rollout_ref.actor.optim.lr=1e-5 actor_rollout_ref.actor.use_kl_loss=false
   trainer.total_training_steps=3 trainer.val_before_train=false trainer.test_freq=3 trainer.save_freq=3
   trainer.project_name=memopd_quickstart trainer.experiment_name=memopd_tiny_cpu
