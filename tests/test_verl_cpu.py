@@ -26,7 +26,10 @@ def test_stock_grpo_trains_on_cpu_and_weights_reach_vllm(tiny_models, tmp_path):
     assert run.returncode == 0, run.tail()
     assert sorted(run.steps) == [1, 2, 3], run.tail()
     for step, metrics in run.steps.items():
-        assert not non_finite(metrics), f"step {step}: non-finite {non_finite(metrics)}"
+        # verl's Pearson correlation of rollout vs actor probs is undefined (NaN) once lr=0.1 x 8 epochs has
+        # collapsed the policy to constant probabilities; every other metric must stay finite
+        bad = [k for k in non_finite(metrics) if k != "training/rollout_actor_probs_pearson_corr"]
+        assert not bad, f"step {step}: non-finite {bad}"
     s1, s2 = run.steps[1], run.steps[2]
     assert s1["actor/grad_norm"] > 0, "the update must move the weights for the sync check to mean anything"
     policy_shift = abs(s2["rollout_corr/training_log_ppl"] - s1["rollout_corr/training_log_ppl"])
