@@ -59,9 +59,9 @@ def teacher_layout_kl(head: torch.Tensor, aligned: torch.Tensor, flat: torch.Ten
     if aligned.shape != flat.shape:
         raise ValueError(f"teacher_layout_kl: aligned {tuple(aligned.shape)} and flat {tuple(flat.shape)} "
                          f"hidden states differ (both layouts must score the same tokens)")
-    out = []
+    out, w = [], head.float().T
     for i in range(0, aligned.shape[0], chunk):
-        la = F.log_softmax(aligned[i:i + chunk].float() @ head.float().T, dim=-1)
-        lf = F.log_softmax(flat[i:i + chunk].float() @ head.float().T, dim=-1)
+        la = F.log_softmax(aligned[i:i + chunk].float() @ w, dim=-1)
+        lf = F.log_softmax(flat[i:i + chunk].float() @ w, dim=-1)
         out.append((la.exp() * (la - lf)).sum(-1))
     return torch.cat(out) if out else aligned.new_zeros(0, dtype=torch.float32)

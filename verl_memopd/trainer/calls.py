@@ -42,7 +42,7 @@ def calls_alone(input_ids: list[torch.Tensor], position_ids: list[torch.Tensor],
             the stream position whose output stands for it (a ``q`` token: its copy in the row's
             last call; outputs at q are identical in every copy).
     """
-    ids, pos, rows, spans, index = [], [], [], [], []
+    ids, pos, lengths, spans, index = [], [], [], [], []
     offset = 0
     for tok, p, seg in zip(input_ids, position_ids, segment_ids):
         calls = [c for c in range(1, int(seg.max()) + 1) if bool((seg == c).any())]
@@ -54,7 +54,7 @@ def calls_alone(input_ids: list[torch.Tensor], position_ids: list[torch.Tensor],
             row_index[keep] = stream
             ids.append(tok[keep])
             pos.append(p[keep])
-            rows.append(torch.full((keep.numel(),), len(rows), dtype=torch.long))
+            lengths.append(keep.numel())
             offset += keep.numel()
         for c, keep in zip(calls, keeps):
             block = torch.nonzero(seg == c, as_tuple=True)[0]
@@ -63,7 +63,7 @@ def calls_alone(input_ids: list[torch.Tensor], position_ids: list[torch.Tensor],
         spans.append(row_spans)
         index.append(row_index)
     stream_pos = torch.cat(pos)
-    row_ids = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([r.numel() for r in rows]))
+    row_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     meta = segment_meta(torch.zeros_like(stream_pos), row_ids.to(stream_pos.device), stream_pos)
     inputs = {"input_ids": torch.cat(ids).unsqueeze(0), "position_ids": stream_pos.unsqueeze(0),
               "memopd_segments": meta.to(stream_pos.device)}

@@ -144,8 +144,10 @@ class MemopdConfig:
         return self.kl_penalty_coef > 0
 
     def audits_at(self, step: int) -> bool:
-        """Whether ``step`` (verl's global step, from 1) runs the audits."""
-        return self.audit.every_n_steps > 0 and step % self.audit.every_n_steps == 0
+        """Whether ``step`` (verl's global step, from 1) runs the audits (packed layout only: per_call
+        rows are the calls alone already, flat rows have no call blocks)."""
+        every = self.audit.every_n_steps
+        return self.layout == "packed" and every > 0 and step % every == 0
 
 
 def _build(cls, node: Any, where: str):

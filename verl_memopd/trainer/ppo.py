@@ -146,7 +146,7 @@ class MemopdTrainer(PPOTrainerSync):
         with marked_timer("memopd_layout", self.timing_raw, color="white"):
             metrics.update(restore_layout(batch, self.memopd.layout))
         audit = self.memopd.audits_at(self.global_steps)
-        rce = audit and self.memopd.audit.rce and self.memopd.layout == "packed"  # flat rows have no call blocks
+        rce = audit and self.memopd.audit.rce
         if rce:
             batch.extra_info[RCE_FLAG] = True  # the actor engine re-runs every call alone (audit.py)
         meta = batch
@@ -159,7 +159,7 @@ class MemopdTrainer(PPOTrainerSync):
         if self.teacher_wg is not None:
             with marked_timer("teacher", self.timing_raw, color="purple"):
                 self._score_with_teacher(batch)
-            if audit and self.memopd.audit.teacher_flat_kl and self.memopd.layout == "packed":
+            if audit and self.memopd.audit.teacher_flat_kl:
                 with marked_timer("memopd_audit_teacher_flat", self.timing_raw, color="purple"):
                     restore_layout(batch, "flat")
                     self._score_with_teacher(batch, output_key=TEACHER_HIDDEN_FLAT)
@@ -180,9 +180,9 @@ class MemopdTrainer(PPOTrainerSync):
         """verl's advantage step on ``r - beta*[l_old - l_ref]_+`` (``memopd.kl_penalty_coef``)."""
         if not self.memopd.uses_reference:
             return super()._compute_advantage(batch, metrics)
-        scores, rewards, penalty_metrics = penalise_in_place(batch, self.memopd.kl_penalty_coef)
+        after, penalty_metrics = penalise_in_place(batch, self.memopd.kl_penalty_coef)
         metrics.update(penalty_metrics)
         batch = super()._compute_advantage(batch, metrics)
         # task scores back under rm_scores (critic/score = F1); the penalised ones under token_level_rewards
-        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=scores.update(rewards))
+        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=after)
         return batch

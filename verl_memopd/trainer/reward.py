@@ -42,13 +42,12 @@ def penalty_metrics(old_log_probs: torch.Tensor, ref_log_prob: torch.Tensor, res
     }
 
 
-def penalise_in_place(batch, coef: float) -> tuple[TensorDict, TensorDict, dict[str, float]]:
+def penalise_in_place(batch, coef: float) -> tuple[TensorDict, dict[str, float]]:
     """Replace the step's ``rm_scores`` in TransferQueue by ``rm_scores - penalty``.
 
-    Returns (original scores, penalised scores) as TransferQueue fields ``rm_scores`` and
-    ``token_level_rewards`` (nested like verl's), so that the caller can put back the task
-    scores after the advantage step, keeping verl's ``critic/score`` (task F1) and
-    ``critic/rewards`` (penalised) metrics apart; and the ``memopd/reward_kl/*`` metrics.
+    Returns the fields to write back after the advantage step -- ``rm_scores`` (the task scores)
+    and ``token_level_rewards`` (the penalised ones), nested like verl's -- which keeps verl's
+    ``critic/score`` (task F1) and ``critic/rewards`` metrics apart; and ``memopd/reward_kl/*``.
     """
     fields = ["rm_scores", "old_log_probs", "ref_log_prob", "response_mask"]
     data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
@@ -56,9 +55,8 @@ def penalise_in_place(batch, coef: float) -> tuple[TensorDict, TensorDict, dict[
     padded = data.to_padded_tensor()
     mask = padded["response_mask"].to(padded["old_log_probs"].dtype)
     penalty = clipped_kl_penalty(padded["old_log_probs"], padded["ref_log_prob"], mask, coef)
-    penalised = padded["rm_scores"] - penalty.to(padded["rm_scores"].dtype)
-    original = TensorDict({"rm_scores": data["rm_scores"]}, batch_size=len(batch))
-    rewards = TensorDict({"token_level_rewards": response_to_nested(penalised, nested_mask)}, batch_size=len(batch))
+    penalised = response_to_nested(padded["rm_scores"] - penalty.to(padded["rm_scores"].dtype), nested_mask)
     tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
-                    fields=TensorDict({"rm_scores": rewards["token_level_rewards"]}, batch_size=len(batch)))
-    return original, rewards, penalty_metrics(padded["old_log_probs"], padded["ref_log_prob"], mask, penalty)
+                    fields=TensorDict({"rm_scores": penalised}, batch_size=len(batch)))
+    after = TensorDict({"rm_scores": data["rm_scores"], "token_level_rewards": penalised}, batch_size=len(batch))
+    return after, penalty_metrics(padded["old_log_probs"], padded["ref_log_prob"], mask, penalty)
