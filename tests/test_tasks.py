@@ -155,6 +155,20 @@ def test_score_max_over_aliases_mean_over_questions():
         score_answers(["a", "b"], [("a",)])
 
 
+def test_aliases_normalised_as_squad_and_hotpotqa():
+    """Multi-question rows with several aliases each: per question the best alias, then the mean."""
+    answer_sets = [("Mara Tovin", "Tovin"), ("the oldest map of the coast", "oldest map"), ("seven", "7"), ("no",)]
+    s = score_answers(["Dr. Tovin", "An OLDEST map!", "7", "no idea"], answer_sets)
+    assert s.per_question_f1 == pytest.approx((2 / 3, 1.0, 1.0, 0.0))  # "no idea" vs "no": HotpotQA gives 0
+    assert s.em == 0.5 and s.f1 == pytest.approx((2 / 3 + 2) / 4)
+    assert token_f1("yes", "yes.") == 1.0 and token_f1("no", "no way") == 0.0 and token_f1("nope", "no") == 0.0
+    assert token_f1("salt, timber", "timber and salt") == pytest.approx(0.8)
+    out = compute_score("memopd_convert/x", "1: Tovin\n2: the Oldest Map", [list(a) for a in answer_sets[:2]])
+    assert out == {"score": 1.0, "f1": 1.0, "em": 1.0}
+    with pytest.raises(ValueError, match=r"question 1's answers are the string 'Velora', not a list of aliases"):
+        compute_score("x", "1: Velora", ["Velora", "Velora town"])  # MemAgent's flat list is for one question
+
+
 def test_parse_answers_and_compute_score():
     assert parse_answers(format_answers(["Velora", "Zentek Labs"]), 2) == ["Velora", "Zentek Labs"]
     assert parse_answers("2) Orin\nnoise\n1. Velora\n3: ignored", 2) == ["Velora", "Orin"]

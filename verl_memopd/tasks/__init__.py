@@ -4,5 +4,6 @@
 synthetic ``world``; ``prompts`` holds every text the model reads; ``reward`` scores answers
 (SQuAD token F1 / EM); ``oracle`` is a scripted memory policy that solves every episode;
 ``dataset`` converts episodes to and from verl's RL parquet rows.
-CLI: ``python -m verl_memopd.tasks build|oracle ...``.
+CLI: ``python -m verl_memopd.tasks build|oracle|convert ...``; ``convert`` turns your own long-context QA
+(MemAgent-style or plain JSONL/parquet) into the same rows.
 """

@@ -7,6 +7,12 @@
         runs the scripted oracle on every row; --traces writes its calls as chat messages
         (columns episode_id, call, messages) for teacher SFT;
         last line: ``oracle F1=<x> EM=<y> episodes=<n>``
+    python -m verl_memopd.tasks convert IN --out DIR --tokenizer MODEL_DIR --chunk-tokens N
+            [--format auto|memagent|jsonl] [--split NAME] [--max-chunks M] [--strict] [--task TEXT]
+        your own long-context QA (JSONL, JSON or parquet; fields in tasks/convert.py) -> DIR/<split>.parquet,
+        the rows the agent loop reads; prints every refused row and why, then statistics;
+        last line: ``converted rows=<n> refused=<r> chunks_mean=<c> chunk_tokens_max=<t>``.
+        Exit 1 when no row converted, or with --strict when any row was refused (nothing is written then).
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ import argparse
 import time
 from pathlib import Path
 
+from verl_memopd.tasks.convert import FORMATS, convert_records, read_records
 from verl_memopd.tasks.dataset import parse_row, read_rows, to_row, write_rows
 from verl_memopd.tasks.generator import PRESETS, generate, get_preset
 from verl_memopd.tasks.oracle import run_oracle
+from verl_memopd.tasks.prompts import MemoryPrompts
 
 SPLITS = ("train", "val", "test")
 
@@ -54,6 +62,28 @@ def oracle(args: argparse.Namespace) -> None:
     print(f"oracle F1={f1 / len(rows):.4f} EM={em / len(rows):.4f} episodes={len(rows)}")
 
 
+def convert(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    records = read_records(args.input)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    print(f"convert {args.input}: {len(records)} records, --format {args.format}, chunks of <= {args.chunk_tokens} "
+          f"tokens ({args.tokenizer})")
+    prompts = MemoryPrompts(task=args.task) if args.task is not None else MemoryPrompts()
+    result = convert_records(records, tokenizer, args.chunk_tokens, args.format, args.split, Path(args.input).stem,
+                             args.max_chunks, prompts)
+    print("\n".join(result.summary(args.chunk_tokens)))
+    failed = not result.rows or (args.strict and result.refusals)
+    if failed:
+        print("nothing written: " + ("no row converted" if not result.rows else "--strict and rows were refused"))
+    else:
+        path = Path(args.out) / f"{args.split}.parquet"
+        write_rows(result.rows, path)
+        print(f"wrote {path}")
+    print(result.last_line())
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m verl_memopd.tasks", description="memory benchmark")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,7 +96,19 @@ def main(argv: list[str] | None = None) -> int:
     o = sub.add_parser("oracle", help="score the scripted oracle on a parquet split")
     o.add_argument("path")
     o.add_argument("--traces", default=None, help="write the oracle's calls as chat messages to this parquet file")
+    c = sub.add_parser("convert", help="your own long-context QA -> agent rows (see verl_memopd/tasks/convert.py)")
+    c.add_argument("input", help="a .jsonl, .json or .parquet file")
+    c.add_argument("--out", required=True, help="output folder; writes <out>/<split>.parquet")
+    c.add_argument("--tokenizer", required=True, help="the student model's folder (its tokenizer cuts the chunks)")
+    c.add_argument("--chunk-tokens", type=int, required=True, help="at most this many tokens per chunk")
+    c.add_argument("--format", default="auto", choices=sorted(FORMATS), help="field names (default: auto)")
+    c.add_argument("--split", default="train", help="output file name and extra_info.split (default: train)")
+    c.add_argument("--max-chunks", type=int, default=None, help="refuse rows with more chunks (default: no limit)")
+    c.add_argument("--strict", action="store_true", help="exit 1 and write nothing if any row is refused")
+    c.add_argument("--task", default=None, help="task text at the top of q (default: MemoryPrompts.task)")
     args = parser.parse_args(argv)
+    if args.command == "convert":
+        return convert(args)
     {"build": build, "oracle": oracle}[args.command](args)
     return 0
 

@@ -8,7 +8,7 @@ Row schema (one episode per row; what ``RLHFDataset`` reads and the agent loop r
     reward_model  {"style": "rule", "ground_truth": [[alias, ...] x K]}
     extra_info    {"index": i, "split": s, "episode_id": "<split>-<i>",
                    "questions": [str x K], "chunks": [str x N],
-                   "support": [[fact sentence, ...] x K]}   (analysis only, never shown)
+                   "support": [[fact sentence, ...] x K]}   (benchmark rows; analysis only, never shown)
     agent_name    "memopd_memory_agent"                      the agent loop registered in verl_memopd.agent
 
 :func:`parse_row` is the one gate back in: a row with missing answers, empty chunks or a
@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from verl_memopd.tasks.generator import MemoryTask
 from verl_memopd.tasks.prompts import MemoryPrompts
 from verl_memopd.tasks.reward import as_answer_sets
 
-__all__ = ["AGENT_NAME", "DATA_SOURCE", "TaskRow", "to_row", "parse_row", "write_rows", "read_rows"]
+__all__ = ["AGENT_NAME", "DATA_SOURCE", "TaskRow", "to_row", "episode_row", "parse_row", "write_rows", "read_rows"]
 
 #: Name under which the memory agent loop registers with verl (``agent_name`` column).
 AGENT_NAME = "memopd_memory_agent"
@@ -45,16 +45,29 @@ class TaskRow:
 
 def to_row(task: MemoryTask, preset: str, split: str, index: int, prompts: MemoryPrompts = MemoryPrompts()) -> dict:
     """The parquet row of one generated episode (schema in the module docstring)."""
-    questions = [q.text for q in task.questions]
+    return episode_row(
+        f"{DATA_SOURCE}/{preset}", [q.text for q in task.questions], [list(q.answers) for q in task.questions],
+        list(task.chunks), index, split, task.episode_id, prompts,
+        extra={"support": [[f.sentence for f in q.support] for q in task.questions]},
+    )
+
+
+def episode_row(data_source: str, questions: Sequence[str], answer_sets: Sequence[Sequence[str]],
+                chunks: Sequence[str], index: int, split: str, episode_id: str,
+                prompts: MemoryPrompts = MemoryPrompts(), extra: Mapping | None = None) -> dict:
+    """One row of the schema above from its parts (K questions, K alias lists, N chunk texts).
+
+    ``extra`` adds keys to ``extra_info`` (analysis only; the agent loop reads none of them).
+    Shared by the benchmark (:func:`to_row`) and ``tasks.convert`` (your own data).
+    """
     return {
-        "data_source": f"{DATA_SOURCE}/{preset}",
+        "data_source": data_source,
         "prompt": [{"role": "user", "content": prompts.question_text(questions)}],
         "ability": "memory",
-        "reward_model": {"style": "rule", "ground_truth": [list(q.answers) for q in task.questions]},
+        "reward_model": {"style": "rule", "ground_truth": [list(a) for a in answer_sets]},
         "extra_info": {
-            "index": index, "split": split, "episode_id": task.episode_id,
-            "questions": questions, "chunks": list(task.chunks),
-            "support": [[f.sentence for f in q.support] for q in task.questions],
+            "index": index, "split": split, "episode_id": episode_id,
+            "questions": list(questions), "chunks": list(chunks), **(extra or {}),
         },
         "agent_name": AGENT_NAME,
     }

@@ -2,7 +2,10 @@
 
 Per question, F1 and EM take the max over the accepted answers (aliases); an episode's
 score is the mean over its K questions. Normalisation is SQuAD's: lower-case, drop
-punctuation and the articles a/an/the, collapse whitespace.
+punctuation and the articles a/an/the, collapse whitespace. Token F1 follows HotpotQA's
+``hotpot_evaluate_v1.py`` (also MemAgent's ``taskutils/memory_eval/utils/__init__.py``): when either
+side normalises to ``yes``, ``no`` or ``noanswer`` and the two differ, F1 is 0 (no partial
+credit for "no" against "no idea").
 
 verl: ``compute_score`` has the signature of a custom reward function
 (``reward.custom_reward_function.path=pkg://verl_memopd.tasks.reward``,
@@ -26,6 +29,7 @@ from verl_memopd.tasks.prompts import parse_answers
 __all__ = ["normalize_answer", "token_f1", "exact_match", "Score", "score_answers", "as_answer_sets", "compute_score"]
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
+_CLOSED_ANSWERS = frozenset({"yes", "no", "noanswer"})  # HotpotQA: all or nothing
 _PUNCT = set(string.punctuation)
 
 
@@ -36,8 +40,12 @@ def normalize_answer(text: str) -> str:
 
 
 def token_f1(prediction: str, truth: str) -> float:
-    """Token-level F1 between two answers after normalisation (0.0 when either is empty)."""
-    pred, gold = normalize_answer(prediction).split(), normalize_answer(truth).split()
+    """Token-level F1 between two answers after normalisation (0.0 when either is empty; HotpotQA's
+    yes/no/noanswer rule, see module docstring)."""
+    pred_text, gold_text = normalize_answer(prediction), normalize_answer(truth)
+    if (pred_text in _CLOSED_ANSWERS or gold_text in _CLOSED_ANSWERS) and pred_text != gold_text:
+        return 0.0
+    pred, gold = pred_text.split(), gold_text.split()
     common = sum((Counter(pred) & Counter(gold)).values())
     if common == 0:
         return 0.0
@@ -68,7 +76,10 @@ def as_answer_sets(ground_truth: Any, where: str) -> tuple[tuple[str, ...], ...]
         raise ValueError(f"{where}: ground_truth must be a non-empty list of answer-alias lists, got {ground_truth!r}")
     out = []
     for k, aliases in enumerate(ground_truth):
-        if isinstance(aliases, (str, bytes)) or not hasattr(aliases, "__len__") or len(aliases) == 0:
+        if isinstance(aliases, (str, bytes)):
+            raise ValueError(f"{where}: question {k + 1}'s answers are the string {aliases!r}, not a list of aliases "
+                             "(ground_truth is one alias list per question: [[alias, ...], ...])")
+        if not hasattr(aliases, "__len__") or len(aliases) == 0:
             raise ValueError(f"{where}: question {k + 1} has no answers (got {aliases!r})")
         if any(not isinstance(a, str) or not a.strip() for a in aliases):
             raise ValueError(f"{where}: question {k + 1} has an empty or non-string answer in {list(aliases)!r}")
