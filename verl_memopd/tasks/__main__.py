@@ -67,11 +67,11 @@ def convert(args: argparse.Namespace) -> int:
 
     records = read_records(args.input)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    print(f"convert {args.input}: {len(records)} records, --format {args.format}, chunks of <= {args.chunk_tokens} "
-          f"tokens ({args.tokenizer})")
+    print(f"convert {args.input}: {len(records)} records, --format {args.format}, "
+          f"chunks of <= {args.chunk_tokens} tokens ({args.tokenizer})")
     prompts = MemoryPrompts(task=args.task) if args.task is not None else MemoryPrompts()
-    result = convert_records(records, tokenizer, args.chunk_tokens, args.format, args.split, Path(args.input).stem,
-                             args.max_chunks, prompts)
+    result = convert_records(records, tokenizer, args.chunk_tokens, args.format, args.split,
+                             Path(args.input).stem, args.max_chunks, prompts)
     print("\n".join(result.summary(args.chunk_tokens)))
     failed = not result.rows or (args.strict and result.refusals)
     if failed:

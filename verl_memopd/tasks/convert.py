@@ -254,19 +254,33 @@ def chunk_text(text: str, tokenizer: Any, max_tokens: int) -> list[str]:
     chunks: list[str] = []
     start = 0
     while start < len(units):
-        end, estimate = start + 1, sizes[start]
-        while end < len(units) and estimate + sizes[end] <= max_tokens:
-            estimate, end = estimate + sizes[end], end + 1
+        end = _longest_run(units, sizes, start, count, max_tokens)
         piece = "".join(units[start:end]).strip()
-        while end > start + 1 and count(piece) > max_tokens:  # token counts are not quite additive: check
-            end -= 1
-            piece = "".join(units[start:end]).strip()
-        while count(piece) <= max_tokens and end < len(units) and count(
-                longer := "".join(units[start:end + 1]).strip()) <= max_tokens:
-            piece, end = longer, end + 1  # ... both ways: a chunk is the longest run of units that fits
         chunks += [piece] if count(piece) <= max_tokens else _split_between_tokens(piece, tokenizer, max_tokens)
         start = end
     return chunks
+
+
+def _longest_run(units: Sequence[str], sizes: Sequence[int], start: int, count: Callable[[str], int],
+                 max_tokens: int) -> int:
+    """``end`` of the longest run ``units[start:end]`` (at least one unit) whose stripped text fits.
+
+    Starts from the units' own token counts (``sizes``), then checks the exact count of the joined
+    text both ways: counts of concatenated text are not quite additive.
+    """
+    end, estimate = start + 1, sizes[start]
+    while end < len(units) and estimate + sizes[end] <= max_tokens:
+        estimate, end = estimate + sizes[end], end + 1
+
+    def fits(e: int) -> bool:
+        return count("".join(units[start:e]).strip()) <= max_tokens
+
+    while end > start + 1 and not fits(end):
+        end -= 1
+    if fits(end):
+        while end < len(units) and fits(end + 1):
+            end += 1
+    return end
 
 
 def _fitting(piece: str, count: Callable[[str], int], max_tokens: int) -> str | None:
