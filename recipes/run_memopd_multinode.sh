@@ -11,8 +11,9 @@
 # read its logs or resubmit under a known id); MEMOPD_TRAIN_SCRIPT swaps the training script for another
 # recipe that honours MEMOPD_DRY_RUN, MEMOPD_PREPARE_ONLY and NNODES (tests/test_multinode_ray.py submits
 # recipes/quickstart_cpu.sh's tiny CPU job this way to two Ray nodes on one machine).
-# If a node dies mid-run, the job ends FAILED (verl's driver sees the lost worker); resubmit with
-# trainer.resume_mode=auto to continue from the last checkpoint (trainer.save_freq) once the node is back.
+# If a node holding the run's workers dies, the trainer's node watchdog (verl_memopd/trainer/watchdog.py) names
+# it and ends the run, so the job ends FAILED instead of waiting; resubmit with trainer.resume_mode=auto to
+# continue from the last checkpoint (trainer.save_freq) once the node is back.
 # Hardware: NNODES nodes x GPUS_PER_NODE (8) GPUs of 80 GB, each with an NVIDIA driver for CUDA 13 (Linux
 #   >= 580.65.06; check with python -m verl_memopd.gpucheck), one Ray node per machine, started beforehand:
 #   head:   ray start --head --port=6379 --dashboard-host=0.0.0.0 --num-gpus=8
