@@ -130,7 +130,8 @@ def _dense_varlen(query, key, value, cu_q, cu_k, causal, scale, gqa):
         raise RuntimeError(f"{query.shape[1]} query heads vs {key.shape[1]} key heads without GQA")
     groups = query.shape[1] // key.shape[1]
     outs = []
-    for (qa, qb), (ka, kb) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()), zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
+    bounds = zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist())
+    for qa, qb, ka, kb in bounds:
         qs = query[qa:qb].transpose(0, 1)                                                  # (Hq, Lq, D)
         ks, vs = (x[ka:kb].repeat_interleave(groups, dim=1).transpose(0, 1) for x in (key, value))
         scores = qs @ ks.transpose(1, 2) * (query.shape[-1] ** -0.5 if scale is None else scale)
