@@ -30,9 +30,11 @@ case "$stack" in
     $pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
     ;;
   gpu)
-    # flash-attn's build imports torch: install torch first, then build flash-attn against it
+    # flash-attn's build imports torch: install torch first, then build flash-attn against it. No prebuilt
+    # flash-attn wheel matches torch 2.11.0's CUDA 13.0 build: compile it (nvcc, g++; ~9 GB RAM per parallel
+    # job -- flash-attn picks MAX_JOBS from free RAM unless it is set; see docker/Dockerfile).
     $pip install "torch==2.11.0"
-    $pip install --no-build-isolation "flash-attn==2.8.3"
+    FLASH_ATTENTION_FORCE_BUILD=TRUE $pip install --no-build-isolation "flash-attn==2.8.3"
     $pip install $(project gpu)
     ;;
   *) echo "unknown stack '$stack' (expected cpu or gpu)" >&2; exit 2 ;;

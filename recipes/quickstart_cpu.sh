@@ -3,6 +3,7 @@
 #
 #   bash recipes/quickstart_cpu.sh [hydra overrides...]     (after: bash docker/install.sh cpu, in a venv)
 #   MEMOPD_DRY_RUN=1 bash recipes/quickstart_cpu.sh         print the command, one argument per line
+#   MEMOPD_PREPARE_ONLY=1 bash recipes/quickstart_cpu.sh    build the models and data, stop
 #
 # Hardware: no GPU; 2 CPU cores and ~12 GB RAM (+profile=cpu; two logical GPUs = two processes, one for the
 #   actor/critic group, one for the teacher's own pool). Offline.
@@ -13,6 +14,7 @@
 #   the profile: both set the attention implementation): vLLM-CPU rollouts of the memory agent (one verl row
 #   per episode), the packed, state-aligned rows scored by the teacher worker group, GAE with the critic,
 #   PPO + full-vocabulary reverse-KL updates, a checkpoint at step 3; bounded by MEMOPD_TIMEOUT_S (1800).
+#   NNODES (1) sets trainer.nnodes (recipes/run_memopd_multinode.sh with MEMOPD_TRAIN_SCRIPT=this script).
 # Expect: ~4 min after the install. Per-step lines with actor/memopd/reverse_kl (and per call),
 #   timing_s/{gen,teacher,old_log_prob,ref,values,update_critic,update_actor}, memopd/reward_kl/*, memopd/*,
 #   training/rollout_probs_diff_max
@@ -36,7 +38,7 @@ cmd=(timeout "${MEMOPD_TIMEOUT_S:-1800}" python -m verl.trainer.main_ppo +profil
   actor_rollout_ref.actor.optim.lr=1e-5 actor_rollout_ref.actor.use_kl_loss=false
   trainer.total_training_steps=3 trainer.val_before_train=false trainer.test_freq=3 trainer.save_freq=3
   trainer.project_name=memopd_quickstart trainer.experiment_name=memopd_tiny_cpu
-  trainer.default_local_dir="$out/checkpoints"
+  trainer.default_local_dir="$out/checkpoints" trainer.nnodes="${NNODES:-1}"
   "$@")
 
 if [ "${MEMOPD_DRY_RUN:-0}" = 1 ]; then
@@ -46,5 +48,6 @@ fi
 mkdir -p "$out"
 [ -f "$out/models/tiny.json" ] || python -m verl_memopd.tiny --out "$out/models"
 [ -f "$out/data/train.parquet" ] || python -m verl_memopd.tasks build --out "$out/data" --seed 0 --preset tiny
+[ "${MEMOPD_PREPARE_ONLY:-0}" = 1 ] && exit 0
 export VERL_PLATFORM=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled VLLM_CPU_KVCACHE_SPACE=1
 exec "${cmd[@]}"

@@ -7,8 +7,15 @@
 # The training command is recipes/run_memopd_qwen2.5_3b_7b_1node.sh's (same settings, same env variables)
 # with trainer.nnodes = memopd.teacher.nnodes = $NNODES (per node: 6 GPUs for the actor group, 2 for the
 # teacher). `ray job submit` follows the job's log (Ctrl-C detaches and the job keeps running;
-# `ray job stop <id> --address $RAY_DASHBOARD` stops it).
-# Hardware: NNODES nodes x GPUS_PER_NODE (8) GPUs of 80 GB, one Ray node per machine, started beforehand:
+# `ray job stop <id> --address $RAY_DASHBOARD` stops it). MEMOPD_JOB_ID names the submission (to stop it,
+# read its logs or resubmit under a known id); MEMOPD_TRAIN_SCRIPT swaps the training script for another
+# recipe that honours MEMOPD_DRY_RUN, MEMOPD_PREPARE_ONLY and NNODES (tests/test_multinode_ray.py submits
+# recipes/quickstart_cpu.sh's tiny CPU job this way to two Ray nodes on one machine).
+# If a node holding the run's workers dies, the trainer's node watchdog (verl_memopd/trainer/watchdog.py) names
+# it and ends the run, so the job ends FAILED instead of waiting; resubmit with trainer.resume_mode=auto to
+# continue from the last checkpoint (trainer.save_freq) once the node is back.
+# Hardware: NNODES nodes x GPUS_PER_NODE (8) GPUs of 80 GB, each with an NVIDIA driver for CUDA 13 (Linux
+#   >= 580.65.06; check with python -m verl_memopd.gpucheck), one Ray node per machine, started beforehand:
 #   head:   ray start --head --port=6379 --dashboard-host=0.0.0.0 --num-gpus=8
 #   others: ray start --address=<head>:6379 --num-gpus=8
 # Every node needs:
@@ -32,20 +39,21 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 dashboard="${RAY_DASHBOARD:?set RAY_DASHBOARD to the Ray dashboard address, e.g. http://<head>:8265}"
 nnodes="${NNODES:?set NNODES to the number of Ray nodes (machines) to train on}"
 data="${MEMOPD_DATA:-$HOME/data/memopd_3b}"
+script="${MEMOPD_TRAIN_SCRIPT:-$here/run_memopd_qwen2.5_3b_7b_1node.sh}"
 
-mapfile -t train < <(MEMOPD_DRY_RUN=1 NNODES="$nnodes" MEMOPD_DATA="$data" \
-  bash "$here/run_memopd_qwen2.5_3b_7b_1node.sh" "$@")
+mapfile -t train < <(MEMOPD_DRY_RUN=1 NNODES="$nnodes" MEMOPD_DATA="$data" bash "$script" "$@")
 runtime_env="$(python - ${MEMOPD_JOB_ENV:-HF_HOME HF_HUB_OFFLINE TRANSFORMERS_OFFLINE WANDB_MODE \
   NCCL_SOCKET_IFNAME NCCL_IB_HCA GLOO_SOCKET_IFNAME VERL_PLATFORM} <<'PY'
 import json, os, sys
 print(json.dumps({"env_vars": {k: os.environ[k] for k in sys.argv[1:] if k in os.environ}}))
 PY
 )"
-cmd=(ray job submit --address "$dashboard" --runtime-env-json "$runtime_env" -- "${train[@]}")
+cmd=(ray job submit --address "$dashboard" --runtime-env-json "$runtime_env"
+  ${MEMOPD_JOB_ID:+--submission-id "$MEMOPD_JOB_ID"} -- "${train[@]}")
 
 if [ "${MEMOPD_DRY_RUN:-0}" = 1 ]; then
   printf '%s\n' "${cmd[@]}"
   exit 0
 fi
-MEMOPD_PREPARE_ONLY=1 MEMOPD_DATA="$data" bash "$here/run_memopd_qwen2.5_3b_7b_1node.sh"
+MEMOPD_PREPARE_ONLY=1 MEMOPD_DATA="$data" bash "$script"
 exec "${cmd[@]}"

