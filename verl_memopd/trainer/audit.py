@@ -133,7 +133,7 @@ def _compare_chunked(head: torch.nn.Module, hidden: torch.Tensor, packed_logits:
     """Per action token: max |l_packed - l_alone| and max |l_alone| over the vocabulary, (A,) float32.
     ``hidden`` (A, H) alone final hidden states; ``packed_logits`` (M, V) read at ``packed_index`` (A,).
     At most (chunk, V) logits of each side exist at once."""
-    diff, ref = [], []
+    diff, ref = [hidden.new_zeros(0, dtype=torch.float32)], [hidden.new_zeros(0, dtype=torch.float32)]
     for i in range(0, hidden.shape[0], chunk):
         alone = head.forward(hidden[i:i + chunk])  # .forward: no hooks (this runs inside one)
         packed = packed_logits.index_select(0, packed_index[i:i + chunk])
