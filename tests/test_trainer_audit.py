@@ -2,10 +2,12 @@
 
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from omegaconf import OmegaConf
+from tensordict import TensorDict
 from transformers import Qwen2ForCausalLM
 
 from verl_memopd.attention import BACKENDS, attention_implementation, hf_name, scoped_backend
@@ -14,6 +16,8 @@ from verl_memopd.rce import EpisodeShape, random_episodes
 from verl_memopd.segments import segment_meta
 from verl_memopd.tiny import student_config
 from verl_memopd.trainer.audit import (
+    RCE_FIELD,
+    RCE_TOLERANCE_FIELD,
     RceAuditError,
     alone_calls,
     rce_check,
@@ -24,6 +28,8 @@ from verl_memopd.trainer.audit import (
 )
 from verl_memopd.trainer.calls import calls_alone
 from verl_memopd.trainer.config import AuditConfig, MemopdConfigError, from_config
+from verl_memopd.trainer.engine import MemopdLMEngine
+from verl_memopd.trainer.rows import SEGMENT_IDS
 from verl_memopd.trainer.reward import clipped_kl_penalty, penalty_metrics
 
 VOCAB = 256
@@ -164,6 +170,41 @@ def test_rce_spot_check_reads_verls_padded_micro_batch_in_place(model):
         padded[b, : chunk.shape[0]] = chunk
     diffs, _ = _spot_check(model, rows, padded.flatten(0, 1), torch.arange(len(rows)) * width)
     assert torch.cat(diffs).max() < 1e-5  # NaN padding is never read
+
+
+@pytest.mark.parametrize("use_rmpad", [True, False])
+@torch.no_grad()
+def test_engine_spot_check_catches_a_backend_fault_on_both_verl_paths(model, use_rmpad):
+    """``MemopdLMEngine._rce_spot_check`` on a verl micro-batch (jagged rows + a verl padding row), packed logits
+    from the remove-padding stream (1, N, V) or the padded batch (B, L, V): clean passes, a scale bug fails."""
+    rows = _rows(3, 11) + [(torch.arange(7), torch.arange(7), torch.zeros(7, dtype=torch.long),
+                            torch.ones(3, dtype=torch.long))]
+    nested = lambda i: torch.nested.as_nested_tensor([r[i] for r in rows], layout=torch.jagged)  # noqa: E731
+    micro_batch = TensorDict({"input_ids": nested(0), "position_ids": nested(1), SEGMENT_IDS: nested(2),
+                              "response_mask": nested(3)}, batch_size=[len(rows)])
+    engine = SimpleNamespace(module=model)  # the method reads only self.module (FSDP2: the HF model itself)
+
+    def scale_bug(q, k, v, meta, scale, dropout):
+        return BACKENDS["torch"](q, k, v, meta, 1.1 * scale, dropout)
+
+    failed = {}
+    for case, fn in (("clean", BACKENDS["torch"]), ("fault", scale_bug)):
+        with scoped_backend("test_engine_" + case, fn) as name, attention_implementation(model, name):
+            logits, _ = _stream_logits(model, rows)
+        if use_rmpad:
+            logits = logits[None]
+        else:  # verl's padded micro-batch: (B, L, V), right-padded
+            width = max(r[0].numel() for r in rows)
+            padded = torch.full((len(rows), width, VOCAB), float("nan"))
+            for b, part in enumerate(logits.split([r[0].numel() for r in rows])):
+                padded[b, : part.shape[0]] = part
+            logits = padded
+        out = MemopdLMEngine._rce_spot_check(engine, logits, micro_batch, use_rmpad)
+        diffs, tolerances = out[RCE_FIELD].unbind(), out[RCE_TOLERANCE_FIELD].unbind()
+        assert [d.numel() for d in diffs] == [int(r[2].max()) for r in rows]  # the padding row: no calls
+        failed[case] = rce_check(diffs, tolerances, [str(b) for b in range(len(rows))], "warn")
+    assert failed["clean"]["memopd/audit/rce_pass"] == 1.0
+    assert failed["fault"]["memopd/audit/rce_failed_calls"] == sum(int(r[2].max()) for r in rows)
 
 
 def test_a_micro_batch_without_calls_still_makes_one_forward(model):

@@ -144,7 +144,7 @@ def _compare_chunked(head: torch.nn.Module, hidden: torch.Tensor, packed_logits:
 
 @torch.no_grad()
 def alone_pass_diffs(module: torch.nn.Module, hf_model: torch.nn.Module, packed_logits: torch.Tensor,
-                     packed_index: torch.Tensor, calls: AloneCalls, chunk: int = 1024
+                     packed_index: torch.Tensor, calls: AloneCalls, chunk: int = 256
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
     """Run ``calls`` alone in one forward of ``module`` (the engine's model, FSDP-wrapped or not; ``hf_model``
     the HF model inside it) under :func:`stock_attention`, and compare at the action tokens.
@@ -200,7 +200,7 @@ def per_call(calls: AloneCalls, diff: torch.Tensor, ref: torch.Tensor, dtype: to
 
 def rce_spot_check(module: torch.nn.Module, hf_model: torch.nn.Module, packed_logits: torch.Tensor,
                    row_start: torch.Tensor, input_ids: Sequence[torch.Tensor], segment_ids: Sequence[torch.Tensor],
-                   response_masks: Sequence[torch.Tensor], chunk: int = 1024
+                   response_masks: Sequence[torch.Tensor], chunk: int = 256
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The in-training RCE spot-check of one micro-batch (what ``MemopdLMEngine`` runs on an audit step).
 
