@@ -62,8 +62,8 @@ def _stream_logits(model, rows, flat=False):
     """The engine's packed forward (remove-padding stream): logits (N, V) and each row's start."""
     ids, pos, seg = (torch.cat(x) for x in list(zip(*rows))[:3])
     lengths = torch.tensor([r[0].numel() for r in rows])
-    meta = segment_meta(torch.zeros_like(seg) if flat else seg, torch.repeat_interleave(torch.arange(len(rows)), lengths),
-                        pos)
+    rows_of = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+    meta = segment_meta(torch.zeros_like(seg) if flat else seg, rows_of, pos)
     logits = model(input_ids=ids[None], position_ids=pos[None], memopd_segments=meta, use_cache=False).logits[0]
     return logits, torch.cumsum(lengths, 0) - lengths
 
@@ -266,7 +266,8 @@ def test_rows_without_call_blocks_run_as_themselves():
 def test_per_call_execution_reads_back_the_packed_order(model):
     """memopd.layout=per_call: every call run alone, outputs gathered back to the packed stream, equal
     to the packed forward (RCE) -- the same numbers at the cost of repeating q per call."""
-    rows = _rows(4, 5) + [(torch.arange(7), torch.arange(7), torch.zeros(7, dtype=torch.long), torch.ones(3))]  # + padding
+    padding = (torch.arange(7), torch.arange(7), torch.zeros(7, dtype=torch.long), torch.ones(3))  # a verl padding row
+    rows = _rows(4, 5) + [padding]
     inputs, _, index = calls_alone(*(list(x) for x in list(zip(*rows))[:3]))
     n = sum(r[0].numel() for r in rows)
     assert index.shape == (n,) and inputs["input_ids"].shape[1] > n  # q is repeated per call

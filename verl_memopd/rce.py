@@ -281,7 +281,8 @@ class SelfTest:
     def lines(self) -> list[str]:
         out = [f"offline {case}: max_abs_diff={r.max_abs_diff:.3e} tolerance={r.tolerance:.3e} "
                f"{'PASS' if r.passed else 'FAIL'}" for case, r in self.offline.items()]
-        out += [f"spot-check {case}: max_call_diff={d:.3e} calls_failed={n}" for case, (n, d) in self.spot_check.items()]
+        out += [f"spot-check {case}: max_call_diff={d:.3e} calls_failed={n}"
+                for case, (n, d) in self.spot_check.items()]
         out.append(f"RCE self-test packer_fault_detected={int(self.packer_fault_detected)} "
                    f"backend_fault_detected={int(self.backend_fault_detected)} clean_pass={int(self.clean_pass)}")
         return out
@@ -290,7 +291,8 @@ class SelfTest:
 def self_test(model: torch.nn.Module, episodes: Sequence[Episode]) -> SelfTest:
     """Inject each fault into a copy of the code path -- the packer (:func:`reversed_block_packer`) and the
     attention backend (:func:`_scale_fault`, registered only inside this call) -- and run both audits."""
-    offline = {"clean": rce_audit(model, episodes), "packer_fault": rce_audit(model, episodes, pack=reversed_block_packer)}
+    offline = {"clean": rce_audit(model, episodes),
+               "packer_fault": rce_audit(model, episodes, pack=reversed_block_packer)}
     spot = {"clean": spot_check_packed_rows(model, episodes, "torch")}
     with scoped_backend("selftest_scale_fault", _scale_fault):
         offline["backend_fault"] = rce_audit(model, episodes, backend="selftest_scale_fault")

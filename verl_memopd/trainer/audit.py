@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from verl_memopd.attention import attention_implementation
 from verl_memopd.rce import TOLERANCES
+from verl_memopd.trainer.config import AUDIT_ON_FAILURE
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,6 @@ RCE_FLAG = "memopd_audit_rce"
 RCE_FIELD = "memopd_rce_max_abs_diff"
 #: per-row output of the RCE spot-check: the dtype's tolerance for each call's difference, (n_calls,)
 RCE_TOLERANCE_FIELD = "memopd_rce_tolerance"
-#: ``memopd.audit.on_failure`` values
-ON_FAILURE = ("raise", "warn")
 #: non-tensor option of a teacher batch: the TransferQueue field its hidden states go to
 TEACHER_OUTPUT_KEY = "memopd_teacher_output_key"
 TEACHER_HIDDEN_FLAT = "memopd_teacher_hidden_flat"
@@ -224,8 +223,8 @@ def rce_check(diffs: Sequence[torch.Tensor], tolerances: Sequence[torch.Tensor],
     """The spot-check's verdict over a step: per row, each call's difference (n_calls,) against its tolerance.
     Returns ``memopd/audit/rce_failed_calls`` and ``rce_pass`` (1.0 / 0.0); on a failure raises
     :class:`RceAuditError` (``on_failure="raise"``) or logs a warning (``"warn"``), naming the worst calls."""
-    if on_failure not in ON_FAILURE:
-        raise ValueError(f"on_failure={on_failure!r}: expected one of {ON_FAILURE}")
+    if on_failure not in AUDIT_ON_FAILURE:
+        raise ValueError(f"on_failure={on_failure!r}: expected one of {AUDIT_ON_FAILURE}")
     failures = [(float(d[t]), float(tol[t]), name, t) for d, tol, name in zip(diffs, tolerances, row_names)
                 for t in range(d.numel()) if d[t] > tol[t] or not torch.isfinite(d[t])]
     if failures:

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 TRAINER_LAYOUTS = ("packed", "per_call", "flat")
 TEACHER_PLACEMENTS = ("separate", "colocate")
 TEACHER_MASK_POLICIES = ("action",)
-AUDIT_ON_FAILURE = ("raise", "warn")  # memopd.audit.on_failure (verl_memopd.trainer.audit.ON_FAILURE)
+AUDIT_ON_FAILURE = ("raise", "warn")  # memopd.audit.on_failure (verl_memopd.trainer.audit.rce_check)
 
 
 class MemopdConfigError(ValueError):
