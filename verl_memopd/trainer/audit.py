@@ -150,10 +150,12 @@ def alone_pass_diffs(module: torch.nn.Module, hf_model: torch.nn.Module, packed_
 
     ``packed_logits``: (M, V) the packed forward's logits, rows flattened; ``packed_index``: (A,) the row of
     each action token's prediction in it. The comparison runs in a pre-hook of the output head, where
-    the head's weights are gathered even under FSDP; the head itself then projects nothing.
+    the head's weights are gathered even under FSDP (FSDP2 unshards in its own pre-hook, registered first;
+    FSDP1 inside its forward, around the module hooked here); the head itself then projects nothing.
     Returns per action token ``(max_abs_diff (A,), max_abs_alone_logit (A,))`` float32 and the logits' dtype.
     """
     head = hf_model.get_output_embeddings()
+    head = getattr(head, "_fsdp_wrapped_module", head)  # an FSDP1-wrapped head: hook the module inside (unsharded)
     found: dict = {}
 
     def compare(mod: torch.nn.Module, args: tuple) -> tuple:
