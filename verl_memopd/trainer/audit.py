@@ -135,7 +135,7 @@ def _compare_chunked(head: torch.nn.Module, hidden: torch.Tensor, packed_logits:
     diff, ref = [hidden.new_zeros(0, dtype=torch.float32)], [hidden.new_zeros(0, dtype=torch.float32)]
     for i in range(0, hidden.shape[0], chunk):
         alone = head.forward(hidden[i:i + chunk])  # .forward: no hooks (this runs inside one)
-        packed = packed_logits.index_select(0, packed_index[i:i + chunk])
+        packed = packed_logits[packed_index[i:i + chunk]]  # (chunk, V) copy; index_select is ~10x slower on CPU
         diff.append((packed.float() - alone.float()).abs().amax(-1))
         ref.append(alone.float().abs().amax(-1))
     return torch.cat(diff), torch.cat(ref)
