@@ -81,8 +81,10 @@ def test_rce_spot_check_passes_on_packed_rows(model, seed):
     assert all(torch.all(t == 1e-4) for t in tolerances)  # fp32: TOLERANCES' absolute 1e-4
     metrics = rce_metrics(diffs)
     assert metrics["memopd/audit/rce_max_abs_diff"] < 1e-5, metrics
-    assert rce_check(diffs, tolerances, [f"r{i}" for i in range(5)], "raise") == \
-        {"memopd/audit/rce_failed_calls": 0.0, "memopd/audit/rce_pass": 1.0}
+    verdict = rce_check(diffs, tolerances, [f"r{i}" for i in range(5)], "raise")
+    assert verdict["memopd/audit/rce_failed_calls"] == 0.0 and verdict["memopd/audit/rce_pass"] == 1.0
+    assert verdict["memopd/audit/rce_max_diff_over_tolerance"] == pytest.approx(metrics["memopd/audit/rce_max_abs_diff"]
+                                                                             / 1e-4)
     assert model.config._attn_implementation == hf_name("torch")  # the alone pass put it back
 
 
@@ -146,7 +148,8 @@ def test_rce_spot_check_catches_a_backend_fault(model, caplog):
         rce_check(diffs, tolerances, names, "raise")
     with caplog.at_level(logging.WARNING, logger="verl_memopd.trainer.audit"):
         metrics = rce_check(diffs, tolerances, names, "warn")
-    assert metrics == {"memopd/audit/rce_failed_calls": float(len(failed)), "memopd/audit/rce_pass": 0.0}
+    assert metrics["memopd/audit/rce_failed_calls"] == float(len(failed)) and metrics["memopd/audit/rce_pass"] == 0.0
+    assert metrics["memopd/audit/rce_max_diff_over_tolerance"] > 1
     assert "RCE spot-check failed" in caplog.text
 
 

@@ -223,7 +223,8 @@ def rce_spot_check(module: torch.nn.Module, hf_model: torch.nn.Module, packed_lo
 def rce_check(diffs: Sequence[torch.Tensor], tolerances: Sequence[torch.Tensor], row_names: Sequence[str],
               on_failure: str) -> dict[str, float]:
     """The spot-check's verdict over a step: per row, each call's difference (n_calls,) against its tolerance.
-    Returns ``memopd/audit/rce_failed_calls`` and ``rce_pass`` (1.0 / 0.0); on a failure raises
+    Returns ``memopd/audit/rce_failed_calls``, ``rce_pass`` (1.0 / 0.0) and ``rce_max_diff_over_tolerance``
+    (how close the worst call came to failing; > 1 fails); on a failure raises
     :class:`RceAuditError` (``on_failure="raise"``) or logs a warning (``"warn"``), naming the worst calls."""
     if on_failure not in AUDIT_ON_FAILURE:
         raise ValueError(f"on_failure={on_failure!r}: expected one of {AUDIT_ON_FAILURE}")
@@ -238,7 +239,9 @@ def rce_check(diffs: Sequence[torch.Tensor], tolerances: Sequence[torch.Tensor],
         if on_failure == "raise":
             raise RceAuditError(message + " (memopd.audit.on_failure=warn to log and continue)")
         logger.warning(message)
-    return {"memopd/audit/rce_failed_calls": float(len(failures)), "memopd/audit/rce_pass": float(not failures)}
+    ratio = max((float(d[t] / tol[t]) for d, tol in zip(diffs, tolerances) for t in range(d.numel())), default=0.0)
+    return {"memopd/audit/rce_failed_calls": float(len(failures)), "memopd/audit/rce_pass": float(not failures),
+            "memopd/audit/rce_max_diff_over_tolerance": ratio}
 
 
 def rce_metrics(per_row: list[torch.Tensor]) -> dict[str, float]:
