@@ -236,10 +236,11 @@ def _scale_fault(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale:
 
 
 @torch.no_grad()
-def spot_check_packed_rows(model: torch.nn.Module, episodes: Sequence[Episode], backend: str) -> tuple[int, float]:
+def spot_check_packed_rows(model: torch.nn.Module, episodes: Sequence[Episode],
+                           backend: str) -> tuple[int, int, float]:
     """The in-training spot-check (``verl_memopd.trainer.audit.rce_spot_check``, as the actor engine runs it)
     on the episodes' packed rows in one remove-padding stream, packed forward under ``backend``.
-    Returns (calls above their tolerance, largest per-call difference)."""
+    Returns (calls above their tolerance, calls checked, largest per-call difference)."""
     from verl_memopd.segments import segment_meta
     from verl_memopd.trainer.audit import rce_spot_check
 
@@ -255,7 +256,7 @@ def spot_check_packed_rows(model: torch.nn.Module, episodes: Sequence[Episode], 
         diffs, tolerances = rce_spot_check(model, model, logits.flatten(0, 1), torch.cumsum(lengths, 0) - lengths,
                                            ids, seg, [torch.tensor(r.response_mask) for r in rows])
     failed = int(sum((d > t).sum() for d, t in zip(diffs, tolerances)))
-    return failed, float(torch.cat(diffs).max())
+    return failed, sum(d.numel() for d in diffs), float(torch.cat(diffs).max())
 
 
 @dataclass(frozen=True)
@@ -264,7 +265,7 @@ class SelfTest:
     (offline: ``max_abs_diff``; spot-check: largest per-call difference), and the verdicts."""
 
     offline: dict[str, RceReport]
-    spot_check: dict[str, tuple[int, float]]
+    spot_check: dict[str, tuple[int, int, float]]
 
     @property
     def packer_fault_detected(self) -> bool:
@@ -281,8 +282,8 @@ class SelfTest:
     def lines(self) -> list[str]:
         out = [f"offline {case}: max_abs_diff={r.max_abs_diff:.3e} tolerance={r.tolerance:.3e} "
                f"{'PASS' if r.passed else 'FAIL'}" for case, r in self.offline.items()]
-        out += [f"spot-check {case}: max_call_diff={d:.3e} calls_failed={n}"
-                for case, (n, d) in self.spot_check.items()]
+        out += [f"spot-check {case}: max_call_diff={d:.3e} calls_failed={n}/{total}"
+                for case, (n, total, d) in self.spot_check.items()]
         out.append(f"RCE self-test packer_fault_detected={int(self.packer_fault_detected)} "
                    f"backend_fault_detected={int(self.backend_fault_detected)} clean_pass={int(self.clean_pass)}")
         return out
