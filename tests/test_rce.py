@@ -7,10 +7,12 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
+from transformers import AttentionInterface
+
 from verl_memopd import rce
-from verl_memopd.attention import attention_implementation, forward_layout, hf_name
+from verl_memopd.attention import BACKENDS, HF_NAMES, attention_implementation, forward_layout, hf_name
 from verl_memopd.packing import build_layout
-from verl_memopd.rce import EpisodeShape, random_episodes, rce_audit
+from verl_memopd.rce import EpisodeShape, random_episodes, rce_audit, reference_logits, reversed_block_packer, self_test
 from verl_memopd.records import Episode
 from verl_memopd.tiny import student_config
 
@@ -98,3 +100,51 @@ def test_cli_prints_the_rce_line_and_exit_status(capsys, monkeypatch):
     assert m and float(m.group(1)) <= 1e-4 < float(m.group(2))
     monkeypatch.setitem(rce.TOLERANCES, torch.float32, rce.Tolerance(atol=1e-12, rtol=0.0))
     assert rce.main(["--episodes", "6", "--seed", "3"]) == 1  # a diff above tolerance fails the audit
+
+
+@torch.no_grad()
+def test_reference_is_each_call_alone_from_its_record(model):
+    """reference_logits == one plain forward per invocation of ``prompt_ids + response_ids`` (no padding, no
+    batching, no packer), at the positions predicting its action tokens, in (episode, call, k) order."""
+    episodes = random_episodes(4, VOCAB, 8, SHAPE)
+    expected = []
+    for ep in episodes:
+        for inv in ep.invocations:
+            ids = torch.tensor([list(inv.prompt_ids + inv.response_ids)])
+            logits = model(input_ids=ids, use_cache=False).logits[0]
+            expected += [logits[len(inv.prompt_ids) + k - 1] for k, m in enumerate(inv.action_mask) if m]
+    ref = reference_logits(model, episodes, batch_calls=3)
+    torch.testing.assert_close(ref, torch.stack(expected), atol=1e-5, rtol=1e-5)
+    assert ref.shape[0] == build_layout("packed", episodes, VOCAB).action_index.numel()
+
+
+def test_a_packer_fault_fails_the_offline_audit(model):
+    """A packer that reverses one call block: the records-only reference does not share the bug."""
+    episodes = random_episodes(6, VOCAB, 9, SHAPE)
+    clean = rce_audit(model, episodes)
+    faulty = rce_audit(model, episodes, pack=reversed_block_packer)
+    assert clean.passed and not faulty.passed and faulty.max_abs_diff > 0.05, (clean, faulty)
+
+    def drops_an_action(name, eps, vocab):  # action tokens missing from the packed layout: infinite difference
+        return build_layout(name, eps[1:] if name == "packed" else eps, vocab)
+
+    assert rce_audit(model, episodes, pack=drops_an_action).max_abs_diff == float("inf")
+
+
+def test_self_test_catches_both_faults_and_leaves_no_backend_behind(model):
+    result = self_test(model, random_episodes(6, VOCAB, 10, SHAPE))
+    assert result.packer_fault_detected and result.backend_fault_detected and result.clean_pass, result.lines()
+    assert result.spot_check["backend_fault"][0] > 0 and result.spot_check["clean"][2] < 1e-5
+    assert "selftest_scale_fault" not in BACKENDS and "memopd_selftest_scale_fault" not in HF_NAMES.values()
+    assert "memopd_selftest_scale_fault" not in AttentionInterface._global_mapping
+    assert re.fullmatch(r"RCE self-test packer_fault_detected=1 backend_fault_detected=1 clean_pass=1",
+                        result.lines()[-1])
+
+
+def test_cli_self_test_prints_the_contract_line(capsys, monkeypatch):
+    assert rce.main(["--self-test", "--episodes", "4", "--seed", "1"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == \
+        "RCE self-test packer_fault_detected=1 backend_fault_detected=1 clean_pass=1"
+    monkeypatch.setitem(rce.TOLERANCES, torch.float32, rce.Tolerance(atol=1e-12, rtol=0.0))  # both audits too strict
+    assert rce.main(["--self-test", "--episodes", "4", "--seed", "1"]) == 1
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("clean_pass=0")

@@ -42,7 +42,8 @@ from verl_memopd.packing import BatchLayout
 from verl_memopd.segments import SegmentMeta
 
 __all__ = [
-    "BACKENDS", "HF_NAMES", "PackedAttentionError", "register_backend", "get_backend", "hf_name", "backend_of",
+    "BACKENDS", "HF_NAMES", "PackedAttentionError", "register_backend", "scoped_backend", "get_backend", "hf_name",
+    "backend_of",
     "require_packed_attention", "attention_implementation", "forward_hidden", "forward_layout",
     "call_varlen_attn",
 ]
@@ -79,6 +80,20 @@ def register_backend(name: str, hf_suffix: Optional[str] = None) -> Callable[[Ba
         AttentionInterface.register(hf, _hf_attention(name))
         return fn
     return deco
+
+
+@contextmanager
+def scoped_backend(name: str, fn: Backend) -> Iterator[str]:
+    """Register ``fn`` as backend ``name`` for the duration of the block (e.g. a deliberately faulty
+    copy in ``python -m verl_memopd.rce --self-test``); yields its transformers name and removes it
+    from ``BACKENDS``, ``HF_NAMES`` and transformers' attention registry on exit."""
+    register_backend(name)(fn)
+    hf = HF_NAMES[name]
+    try:
+        yield hf
+    finally:
+        del BACKENDS[name], HF_NAMES[name]
+        AttentionInterface._global_mapping.pop(hf, None)
 
 
 def get_backend(name: str) -> Backend:

@@ -2,7 +2,7 @@
 
     config.py    the recipe's ``memopd:`` tree as a validated dataclass
     rows.py      each row's restored positions / segments / teacher mask, written to TransferQueue
-    calls.py     each call of a packed row as its own sequence (per_call layout, RCE spot-check)
+    calls.py     each call of a packed row as its own sequence (per_call layout)
     engine.py    FSDP engines that execute the row layouts (actor, ref, critic, teacher)
     teacher.py   the forward-only teacher worker group and its start-up checks
     reward.py    the task reward with the clipped KL penalty r - beta*[l_old - l_ref]_+

@@ -1,15 +1,14 @@
-"""Each call of a packed row as its own sequence: the ``per_call`` execution and the RCE spot-check.
+"""Each call of a packed row as its own sequence: the ``per_call`` execution.
 
 A packed row holds ``q`` once and every call's block after it (segment ids 0 = q, t+1 = call t).
 Running call t *alone* means the sequence ``[q, block_t]`` with the same restored positions and
 plain causal attention -- what the rollout engine saw. :func:`calls_alone` lays out all calls of
 a micro-batch as one stream of such sequences (``q`` repeated once per call), so that
-
-* ``memopd.layout=per_call`` runs every forward of actor, reference, critic and teacher this
-  way and reads each packed token's output back with ``index`` (the paper's per-call baseline
-  for the packing speed-up, with otherwise identical rows, losses and metrics);
-* the RCE spot-check (``verl_memopd.trainer.audit``) compares a packed forward's block logits
-  with these standalone ones.
+``memopd.layout=per_call`` runs every forward of actor, reference, critic and teacher this way and
+reads each packed token's output back with ``index`` (the paper's per-call baseline for the packing
+speed-up, with otherwise identical rows, losses and metrics). (The RCE spot-check does not use this
+stream: its alone pass must not run through the ``memopd_*`` attention it audits; see
+``verl_memopd.trainer.audit.alone_calls``.)
 
 A row without call blocks (verl's synthetic padding rows) is its own plain causal sequence.
 """

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 TRAINER_LAYOUTS = ("packed", "per_call", "flat")
 TEACHER_PLACEMENTS = ("separate", "colocate")
 TEACHER_MASK_POLICIES = ("action",)
+AUDIT_ON_FAILURE = ("raise", "warn")  # memopd.audit.on_failure (verl_memopd.trainer.audit.rce_check)
 
 
 class MemopdConfigError(ValueError):
@@ -70,8 +71,12 @@ class AuditConfig:
     """``memopd.audit``: in-training checks of the layout, on every ``every_n_steps``-th step (0 = off).
 
     rce: Rollout Context Equivalence spot-check in the actor's old-log-prob forward: every call of
-        every row is re-run alone (its own ``[q, x_t, a_t]``), and the full-vocabulary logits of its
-        block are compared with the packed forward's (``memopd/audit/rce_max_abs_diff``).
+        every row is re-run alone (its own ``[q, x_t, a_t]``, positions 0..n-1) under the model's stock
+        attention (sdpa; flash_attention_2 on CUDA), and its full-vocabulary logits at the action tokens
+        are compared with the packed forward's (``memopd/audit/rce_max_abs_diff``, ``rce_pass``).
+    on_failure: what a call above the dtype's RCE tolerance (``verl_memopd.rce.TOLERANCES``) does:
+        ``raise`` (stop training with an error naming the row, call and difference) or ``warn``
+        (log it; ``memopd/audit/rce_failed_calls`` counts the calls).
     teacher_flat_kl: the teacher also scores the step's rows under the flat layout (persistent
         history); the actor loss reports KL(p_T aligned || p_T flat) at m_T tokens
         (``actor/memopd/audit/teacher_aligned_vs_flat_kl``): how much the baseline's supervision differs.
@@ -80,6 +85,11 @@ class AuditConfig:
     every_n_steps: int = 10
     rce: bool = True
     teacher_flat_kl: bool = True
+    on_failure: str = "raise"
+
+    def __post_init__(self) -> None:
+        if self.on_failure not in AUDIT_ON_FAILURE:
+            raise MemopdConfigError(f"memopd.audit.on_failure={self.on_failure!r}: expected one of {AUDIT_ON_FAILURE}")
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,13 @@ from verl_memopd.losses.actor import TEACHER_MASK, assign_global_teacher_counts
 from verl_memopd.platform.patches import patch_verl_valuehead_attention
 from verl_memopd.segments import SegmentMeta, padded_batch_segments, segment_meta
 from verl_memopd.supervision import TEACHER_HIDDEN
-from verl_memopd.trainer.audit import RCE_FIELD, RCE_FLAG, TEACHER_OUTPUT_KEY, rce_diffs
+from verl_memopd.trainer.audit import (
+    RCE_FIELD,
+    RCE_FLAG,
+    RCE_TOLERANCE_FIELD,
+    TEACHER_OUTPUT_KEY,
+    rce_spot_check,
+)
 from verl_memopd.trainer.calls import CALLS_ALONE, calls_alone
 from verl_memopd.trainer.rows import SEGMENT_IDS
 
@@ -166,16 +172,23 @@ class MemopdLMEngine(_PackedRows, FSDPEngineWithLMHead):
         if getattr(logits_processor_func, "wants_student_logits", False):
             model_output[STUDENT_LOGITS] = _jagged_like(output.logits, micro_batch, use_rmpad)
         if tu.get_non_tensor_data(data=micro_batch, key=RCE_FLAG, default=False):
-            model_output[RCE_FIELD] = self._rce_spot_check(output.logits, micro_batch, use_rmpad)
+            model_output.update(self._rce_spot_check(output.logits, micro_batch, use_rmpad))
         return model_output
 
-    def _rce_spot_check(self, logits, micro_batch, use_rmpad: bool) -> torch.Tensor:
-        """Audit (``verl_memopd.trainer.audit``): every call of the micro-batch re-run alone in one
-        extra forward; per row, the max abs logit difference of each call's block, (B, n_calls*)."""
-        inputs, spans, _ = calls_alone(*_rows(micro_batch))
-        alone = self.module(**inputs, attention_mask=None, use_cache=False).logits.squeeze(0)
-        diffs = rce_diffs(_jagged_like(logits, micro_batch, use_rmpad).unbind(), alone, spans)
-        return torch.nested.as_nested_tensor(diffs, layout=torch.jagged)
+    def _rce_spot_check(self, logits, micro_batch, use_rmpad: bool) -> dict:
+        """Audit (``verl_memopd.trainer.audit``): every call of the micro-batch run alone under the model's
+        stock attention in one extra forward, compared at the action tokens with the packed ``logits``
+        ((1, N, V) stream or (B, L, V) padded, read in place). Returns per row each call's max abs logit
+        difference and its tolerance, both (B, n_calls*)."""
+        ids, _, seg = _rows(micro_batch)
+        lengths = micro_batch["input_ids"].offsets().diff().to(logits.device)
+        row_start = (torch.cumsum(lengths, 0) - lengths) if use_rmpad else \
+            torch.arange(lengths.numel(), device=logits.device) * logits.shape[1]
+        hf_model = getattr(self.module, "_fsdp_wrapped_module", self.module)  # FSDP1 wraps; FSDP2 does not
+        diffs, tolerances = rce_spot_check(self.module, hf_model, logits.flatten(0, 1), row_start, ids, seg,
+                                           micro_batch["response_mask"].unbind())
+        return {RCE_FIELD: torch.nested.as_nested_tensor(diffs, layout=torch.jagged),
+                RCE_TOLERANCE_FIELD: torch.nested.as_nested_tensor(tolerances, layout=torch.jagged)}
 
 
 @EngineRegistry.register(model_type="memopd_value_model", backend=_BACKENDS, device=_DEVICES)

@@ -30,7 +30,15 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.debug import marked_timer
 
 from verl_memopd.losses.actor import OPDLossConfig
-from verl_memopd.trainer.audit import RCE_FIELD, RCE_FLAG, TEACHER_HIDDEN_FLAT, TEACHER_OUTPUT_KEY, rce_metrics
+from verl_memopd.trainer.audit import (
+    RCE_FIELD,
+    RCE_FLAG,
+    RCE_TOLERANCE_FIELD,
+    TEACHER_HIDDEN_FLAT,
+    TEACHER_OUTPUT_KEY,
+    rce_check,
+    rce_metrics,
+)
 from verl_memopd.trainer.config import from_config
 from verl_memopd.trainer.loss import MemopdActorLoss
 from verl_memopd.trainer.reward import penalise_in_place
@@ -159,8 +167,11 @@ class MemopdTrainer(PPOTrainerSync):
         if rce:
             meta.extra_info.pop(RCE_FLAG, None)  # not for the reference / critic forwards
             batch.extra_info.pop(RCE_FLAG, None)
-            rows = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=[RCE_FIELD])
-            metrics.update(rce_metrics(rows[RCE_FIELD].unbind()))
+            rows = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                                   select_fields=[RCE_FIELD, RCE_TOLERANCE_FIELD])
+            diffs, tolerances = rows[RCE_FIELD].unbind(), rows[RCE_TOLERANCE_FIELD].unbind()
+            metrics.update(rce_metrics(diffs))
+            metrics.update(rce_check(diffs, tolerances, [str(k) for k in batch.keys], self.memopd.audit.on_failure))
         if self.teacher_wg is not None:
             with marked_timer("teacher", self.timing_raw, color="purple"):
                 self._score_with_teacher(batch)
