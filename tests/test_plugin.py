@@ -45,6 +45,29 @@ def test_patches_are_idempotent():
     assert patches.patch_verl_gloo_process_group() is False
     patches.patch_vllm_cpu_weight_sync()
     assert patches.patch_vllm_cpu_weight_sync() is False
+    patches.patch_verl_gloo_torchrun_process_group()
+    assert patches.patch_verl_gloo_torchrun_process_group() is False
+
+
+_TORCHRUN_INIT = """
+import torch.distributed as dist, verl
+from verl.utils.distributed import initialize_global_process_group  # what verl.trainer.sft_trainer.run_sft calls
+print(initialize_global_process_group(timeout_second=60), dist.get_backend())
+"""
+
+
+@pytest.mark.parametrize("platform", ["cpu", ""])
+def test_torchrun_process_group_is_plain_gloo_on_cpu(tmp_path, platform):
+    """verl's SFT trainer (torchrun path) on the cpu platform: a plain gloo group; without the patch
+    (no cpu platform selected, on this GPU-less machine) verl's "cpu:gloo,cuda:nccl" cannot start."""
+    rendezvous = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": str(29500 + os.getpid() % 1000 + (platform == "cpu"))}
+    proc = _python(_TORCHRUN_INIT, tmp_path, {"VERL_PLATFORM": platform, **rendezvous})
+    if platform == "cpu":
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.strip().splitlines()[-1] == "(0, 0, 1) gloo"
+    else:
+        assert proc.returncode != 0 and "(0, 0, 1) gloo" not in proc.stdout
 
 
 def _compose(overrides: list[str], tmp_path, monkeypatch):
