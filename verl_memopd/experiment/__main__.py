@@ -1,6 +1,6 @@
 """CLI of the experiment.
 
-    python -m verl_memopd.experiment run [--root runs/cpu_tiny] [--results results/cpu_tiny] [--until STAGE|--only STAGE]
+    python -m verl_memopd.experiment run [--root runs/cpu_tiny] [--results results/cpu_tiny] [--until STAGE|--only STAGE] [--arms a,b]
         runs the stages in order, skipping finished ones (EXPERIMENT_SMOKE=1: the minutes-long smoke sizes);
         a stage runs under a lock file, so a second process started with --only waits instead of clashing
     python -m verl_memopd.experiment eval --role teacher|student --step N [--split val|test]
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from verl_memopd.experiment.config import Paths, full_config, smoke_config
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="run the stages (skips finished ones)")
     r.add_argument("--until", default=STAGES[-1], choices=STAGES)
     r.add_argument("--only", default=None, choices=STAGES, help="run just this stage (its inputs must exist)")
+    r.add_argument("--arms", default=None, help="comma-separated subset of the arms (default: all of them)")
     e = sub.add_parser("eval", help="F1 of one SFT checkpoint under the real agent loop")
     e.add_argument("--role", required=True, choices=("teacher", "student"))
     e.add_argument("--step", required=True, type=int)
@@ -52,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = _config()
     if args.command == "run":
+        if args.arms:
+            cfg = replace(cfg, arms=replace(cfg.arms, arms=tuple(args.arms.split(","))))
         run_pipeline(cfg, _paths(args, cfg.name), args.until, args.only)
     elif args.command == "eval":
         from verl_memopd.experiment.evaluate import eval_sft_checkpoint

@@ -17,6 +17,7 @@ from verl_memopd.experiment.config import ARMS, ExperimentConfig, Paths
 from verl_memopd.experiment.evaluate import eval_model
 from verl_memopd.experiment.launch import main_ppo
 from verl_memopd.experiment.runner import cpu_env, heavy, run_logged
+from verl_memopd.experiment.sft import fp32_export
 
 __all__ = ["arm_command", "run_arm", "stage_arms", "check_arm_overrides"]
 
@@ -42,7 +43,7 @@ def arm_command(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, studen
     )
 
 
-def check_arm_overrides() -> None:
+def check_arm_overrides(arms: tuple[str, ...]) -> None:
     """Compose every arm's config (Hydra, no run) so a key the recipe lacks fails before any arm starts.
 
     E.g. ``memopd.teacher.state`` (the persistent-history control) on a recipe without it: Hydra's
@@ -51,7 +52,8 @@ def check_arm_overrides() -> None:
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    for arm, overrides in ARMS.items():
+    for arm in arms:
+        overrides = ARMS[arm]
         GlobalHydra.instance().clear()
         with initialize_config_module(config_module="verl.trainer.config", version_base=None):
             try:
@@ -75,15 +77,18 @@ def run_arm(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, t
     final = run_dir / "checkpoints" / f"global_step_{a.steps}" / "actor" / "huggingface"
     if not (final / "config.json").is_file():
         raise RuntimeError(f"arm {arm} seed {seed}: no final actor export at {final}; see {run_dir / 'main_ppo.log'}")
-    test = eval_model(final, paths.data / "test.parquet", run_dir / "test.json", cfg, paths,
-                      {"role": arm, "seed": seed, "step": a.steps, "split": "test"})
-    (run_dir / "DONE.json").write_text(json.dumps({"wall_s": round(wall, 1), "test_f1": test["f1"]}) + "\n")
+    fp32_export(final)
+    done = {"wall_s": round(wall, 1), "final_actor": str(final)}
+    if cfg.final_evals:
+        done["test_f1"] = eval_model(final, paths.data / "test.parquet", run_dir / "test.json", cfg, paths,
+                                     {"role": arm, "seed": seed, "step": a.steps, "split": "test"})["f1"]
+    (run_dir / "DONE.json").write_text(json.dumps(done) + "\n")
 
 
 def stage_arms(cfg: ExperimentConfig, paths: Paths) -> None:
     from verl_memopd.experiment.sft import hf_export
 
-    check_arm_overrides()
+    check_arm_overrides(cfg.arms.arms)
     step = json.loads((paths.evals() / "student_choice.json").read_text())["step"]
     student = hf_export(paths.sft("student"), step)
     teacher = hf_export(paths.sft("teacher"), cfg.teacher_sft.steps)

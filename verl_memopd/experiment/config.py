@@ -82,6 +82,9 @@ class ExperimentConfig:
     student_f1_band: tuple[float, float] | None = (0.05, 0.5)
     #: the teacher's val F1 aim (a warning, not a failure: the report shows what was reached)
     teacher_f1_target: float = 0.8
+    #: evaluate the teacher's final checkpoint (val) and every model of the table on the test split;
+    #: False only in the smoke run (CI time), which keeps the student's val evals and the arms' own validation
+    final_evals: bool = True
     #: per-command bound (seconds) for one eval or one arm; a hung verl run cannot stall the pipeline
     timeout_s: int = 5400
 
@@ -112,7 +115,7 @@ def smoke_config() -> ExperimentConfig:
         full, name="cpu_tiny_smoke", n_train=64, n_val=4, n_test=4, timeout_s=900,
         teacher_sft=SftConfig(steps=2, batch=4, lr=1e-3, save_every=2, warmup_steps=0),
         student_sft=SftConfig(steps=2, batch=4, lr=1e-3, save_every=2, warmup_steps=0), student_eval_steps=(2,),
-        student_f1_band=None,
+        student_f1_band=None, final_evals=False,
         arms=replace(full.arms, steps=1, val_every=1, episodes_per_step=2, seeds=(0,)),
     )
 

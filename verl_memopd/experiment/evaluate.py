@@ -91,6 +91,8 @@ def stage_eval(cfg: ExperimentConfig, paths: Paths) -> None:
     """Evaluate what the arms and the report need; every eval is cached in ``eval/``."""
     step = chosen_student(cfg, paths)
     (paths.evals() / "student_choice.json").write_text(json.dumps({"step": step}) + "\n")
+    if not cfg.final_evals:
+        return
     eval_sft_checkpoint(cfg, paths, "student", step, "test")
     teacher = eval_sft_checkpoint(cfg, paths, "teacher", cfg.teacher_sft.steps, "val")
     eval_sft_checkpoint(cfg, paths, "teacher", cfg.teacher_sft.steps, "test")

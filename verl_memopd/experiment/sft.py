@@ -20,7 +20,7 @@ from pathlib import Path
 from verl_memopd.experiment.config import SftConfig
 from verl_memopd.experiment.runner import run_logged
 
-__all__ = ["build_sft_data", "sft_command", "run_sft", "hf_export", "sft_losses"]
+__all__ = ["build_sft_data", "sft_command", "run_sft", "fp32_export", "hf_export", "saved_steps", "sft_losses"]
 
 #: the overrides that make verl's SFT trainer run (and run fast) on CPU; see shared CPU_NOTES.md
 CPU_SFT_OVERRIDES = (
@@ -68,23 +68,27 @@ def sft_command(model: Path, sft_data: Path, run_dir: Path, cfg: SftConfig, name
     ]
 
 
-def hf_export(run_dir: Path, step: int) -> Path:
-    """The Hugging Face folder verl exported at ``step``, with its config's dtype set to the weights' (fp32).
+def fp32_export(hf: Path) -> Path:
+    """``hf`` (a Hugging Face folder verl exported from fp32 weights) with its config's dtype said as fp32.
 
     verl 0.9.1 writes ``"dtype": "bfloat16"`` into the exported config although the weights are fp32;
     vLLM and transformers would then load (or cast) them as bf16.
     """
-    hf = run_dir / "checkpoints" / f"global_step_{step}" / "huggingface"
     config_path = hf / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path}: no Hugging Face export for step {step} (checkpoint.save_contents "
-                                "must include hf_model)")
+        raise FileNotFoundError(f"{config_path}: no Hugging Face export there (checkpoint save_contents must "
+                                "include hf_model)")
     config = json.loads(config_path.read_text())
     if config.get("dtype") != "float32" or config.get("torch_dtype", "float32") != "float32":
         config["dtype"] = "float32"
         config.pop("torch_dtype", None)
         config_path.write_text(json.dumps(config, indent=2) + "\n")
     return hf
+
+
+def hf_export(run_dir: Path, step: int) -> Path:
+    """The Hugging Face folder verl's SFT trainer exported at ``step`` (fp32 config, see :func:`fp32_export`)."""
+    return fp32_export(run_dir / "checkpoints" / f"global_step_{step}" / "huggingface")
 
 
 def saved_steps(run_dir: Path) -> list[int]:
