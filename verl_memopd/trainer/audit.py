@@ -28,6 +28,8 @@ RCE_FIELD = "memopd_rce_max_abs_diff"
 #: non-tensor option of a teacher batch: the TransferQueue field its hidden states go to
 TEACHER_OUTPUT_KEY = "memopd_teacher_output_key"
 TEACHER_HIDDEN_FLAT = "memopd_teacher_hidden_flat"
+#: the audit pass of ``memopd.teacher.state=flat``: the supervision is flat, the audit scores the aligned rows
+TEACHER_HIDDEN_ALIGNED = "memopd_teacher_hidden_aligned"
 
 
 def rce_diffs(packed_logits: list[torch.Tensor], alone_logits: torch.Tensor,
