@@ -135,3 +135,14 @@ def test_experiment_smoke_writes_csv_and_png(tmp_path):
     assert (tmp_path / "results" / "f1.png").read_bytes()[:4] == b"\x89PNG"
     assert any(line.startswith("experiment seeds=0 steps=0 ") for line in proc.stdout.splitlines())  # no test evals
     print(f"experiment smoke: wall {wall:.0f}s")
+
+
+def test_heavy_commands_are_bounded_after_the_lock(tmp_path, monkeypatch):
+    from verl_memopd.experiment.runner import heavy, heavy_wall_s, run_logged
+
+    monkeypatch.setenv("MEMOPD_HEAVY_LOCK", str(tmp_path / "heavy.lock"))
+    log = tmp_path / "run.log"
+    run_logged(heavy(["echo", "hello"], 30), log, dict(os.environ), None)
+    assert "hello" in log.read_text() and 0 <= heavy_wall_s(log) < 30
+    with pytest.raises(RuntimeError, match="exit status 124"):  # coreutils timeout's status
+        run_logged(heavy(["sleep", "30"], 1), log, dict(os.environ), None)

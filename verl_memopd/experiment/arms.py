@@ -16,7 +16,7 @@ import time
 from verl_memopd.experiment.config import ARMS, ExperimentConfig, Paths
 from verl_memopd.experiment.evaluate import eval_model
 from verl_memopd.experiment.launch import main_ppo
-from verl_memopd.experiment.runner import cpu_env, heavy, run_logged
+from verl_memopd.experiment.runner import cpu_env, heavy, heavy_wall_s, run_logged
 from verl_memopd.experiment.sft import fp32_export
 
 __all__ = ["arm_command", "run_arm", "stage_arms", "check_arm_overrides"]
@@ -72,8 +72,9 @@ def run_arm(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, t
     print(f"[experiment {time.strftime('%H:%M:%S')}] arm {arm} seed {seed}: {a.steps} steps x "
           f"{a.episodes_per_step} episodes x {a.samples_per_episode} samples, val every {a.val_every} "
           f"(progress: grep '^step:' {run_dir / 'main_ppo.log'})", flush=True)
-    wall = run_logged(heavy(arm_command(cfg, paths, arm, seed, student, teacher)), run_dir / "main_ppo.log",
-                      cpu_env(paths.root), cfg.timeout_s, cwd=paths.root)
+    run_logged(heavy(arm_command(cfg, paths, arm, seed, student, teacher), cfg.timeout_s), run_dir / "main_ppo.log",
+               cpu_env(paths.root), None, cwd=paths.root)
+    wall = heavy_wall_s(run_dir / "main_ppo.log")
     final = run_dir / "checkpoints" / f"global_step_{a.steps}" / "actor" / "huggingface"
     if not (final / "config.json").is_file():
         raise RuntimeError(f"arm {arm} seed {seed}: no final actor export at {final}; see {run_dir / 'main_ppo.log'}")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from verl_memopd.experiment.config import ExperimentConfig, Paths
 from verl_memopd.experiment.launch import main_ppo, parse_steps, read_log, val_scores
-from verl_memopd.experiment.runner import cpu_env, heavy, run_logged
+from verl_memopd.experiment.runner import cpu_env, heavy, heavy_wall_s, run_logged
 
 __all__ = ["eval_command", "eval_model", "eval_sft_checkpoint", "stage_eval", "chosen_student", "EvalResult"]
 
@@ -49,8 +49,9 @@ def eval_model(model: Path, split_file: Path, out_json: Path, cfg: ExperimentCon
     print(f"[experiment {time.strftime('%H:%M:%S')}] eval {out_json.stem}: {n} episodes of {split_file.name}, "
           f"{model} (ETA ~{60 + 3 * n:.0f} s alone, after the heavy lock)", flush=True)
     log = workdir / "main_ppo.log"
-    wall = run_logged(heavy(eval_command(model, split_file, workdir, n)), log, cpu_env(paths.root), cfg.timeout_s,
-                      cwd=paths.root)
+    run_logged(heavy(eval_command(model, split_file, workdir, n), cfg.timeout_s), log, cpu_env(paths.root), None,
+               cwd=paths.root)
+    wall = heavy_wall_s(log)
     scores = val_scores(parse_steps(read_log(log)).get(0, {}))
     if scores is None:
         raise RuntimeError(f"{log}: verl printed no validation F1 (val-*/memopd_memory/*/f1/mean@1) at step 0")

@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-__all__ = ["cpu_env", "run_checked", "run_logged", "heavy"]
+__all__ = ["cpu_env", "run_checked", "run_logged", "heavy", "heavy_wall_s"]
 
 
 def cpu_env(workdir: Path) -> dict[str, str]:
@@ -30,10 +30,26 @@ def cpu_env(workdir: Path) -> dict[str, str]:
     return env
 
 
-def heavy(cmd: list[str]) -> list[str]:
-    """``cmd`` under the shared heavy-job lock when ``MEMOPD_HEAVY_LOCK`` names a lock file."""
+#: printed by a heavy command once it holds the lock (epoch seconds): its own wall time starts there
+STARTED = "[experiment] heavy command started at "
+
+
+def heavy(cmd: list[str], timeout_s: float) -> list[str]:
+    """``cmd`` bounded by ``timeout_s`` once it runs, under the shared heavy-job lock when ``MEMOPD_HEAVY_LOCK``
+    names a lock file (``flock LOCK timeout T cmd``: waiting for the lock does not count against the bound).
+    The command first prints :data:`STARTED` and the time (see :func:`heavy_wall_s`)."""
+    bounded = ["bash", "-c", f'echo "{STARTED}$(date +%s.%N)"; exec "$@"', "heavy",
+               "timeout", "-k", "60", str(int(timeout_s)), *cmd]
     lock = os.environ.get("MEMOPD_HEAVY_LOCK")
-    return ["flock", lock, *cmd] if lock else cmd
+    return ["flock", lock, *bounded] if lock else bounded
+
+
+def heavy_wall_s(log: Path) -> float:
+    """Seconds since the last heavy command in ``log`` started (lock wait excluded); call when it has ended."""
+    starts = [line[len(STARTED):] for line in log.read_text(errors="replace").splitlines() if line.startswith(STARTED)]
+    if not starts:
+        raise RuntimeError(f"{log}: no '{STARTED.strip()}' line (not a heavy() command?)")
+    return time.time() - float(starts[-1])
 
 
 def run_checked(cmd: list[str], env: dict[str, str] | None = None) -> None:
@@ -53,11 +69,20 @@ def _stop(proc: subprocess.Popen, grace_s: float = 30) -> None:
         proc.wait()
 
 
-def run_logged(cmd: list[str], log: Path, env: dict[str, str], timeout_s: float, cwd: Path | None = None) -> float:
+def _kill_leftovers(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_logged(cmd: list[str], log: Path, env: dict[str, str], timeout_s: float | None,
+               cwd: Path | None = None) -> float:
     """Run ``cmd`` with stdout+stderr appended to ``log``; return wall seconds; raise on failure/timeout.
 
-    The command runs in its own session; on timeout the whole group is killed (verl's Ray workers
-    and vLLM engines included).
+    The command runs in its own session; on timeout (None: the command bounds itself, see :func:`heavy`)
+    the whole group is stopped, and whatever of the group outlives the command (verl's local Ray
+    cluster after a crash) is killed when it ends.
     """
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"[experiment] $ {shlex.join(cmd)}\n[experiment]   log: {log}", flush=True)
@@ -71,6 +96,8 @@ def run_logged(cmd: list[str], log: Path, env: dict[str, str], timeout_s: float,
         except subprocess.TimeoutExpired:
             _stop(proc)
             raise TimeoutError(f"{cmd[0]}... exceeded {timeout_s:.0f}s; see {log}") from None
+        finally:
+            _kill_leftovers(proc)
     wall = time.monotonic() - start
     if rc != 0:
         raise RuntimeError(f"exit status {rc} after {wall:.0f}s: {shlex.join(cmd)[:300]}...; see {log}")
