@@ -65,8 +65,7 @@ def _stage_sft(role: str, cfg: ExperimentConfig, paths: Paths) -> None:
     per_step_s = 3.0 if role == "teacher" else 1.2  # alone on 2 cores (CPU_NOTES.md probe); x3 when shared
     _say(f"sft_{role}: {sft.steps} steps x {sft.batch} calls, lr {sft.lr}, checkpoint every {sft.save_every} "
          f"(ETA ~{sft.steps * per_step_s / 60:.0f} min alone; progress: tail -f {run_dir / 'sft.log'})")
-    hf = run_sft(paths.models / role, paths.sft_data, run_dir, sft, f"sft_{role}", cpu_env(paths.root),
-                 cfg.timeout_s * 4)
+    hf = run_sft(paths.models / role, paths.sft_data, run_dir, sft, f"sft_{role}", cpu_env(paths.root))
     _say(f"sft_{role}: done -> {hf}")
 
 
