@@ -32,6 +32,17 @@ def test_import_verl_loads_our_registrations(tmp_path):
     assert "verl_memopd.plugin" in _python("import sys, verl; print(sorted(sys.modules))", tmp_path).stdout
 
 
+def test_registrations_survive_importing_the_teacher_worker_first(tmp_path):
+    """Ray unpickles MemopdTeacherWorker, so that process imports verl_memopd.trainer.teacher before verl:
+    the plugin must still register everything (an import cycle would be swallowed by verl)."""
+    proc = _python("import json, verl_memopd.trainer.teacher; from verl.workers.engine.base import EngineRegistry; "
+                   "print(json.dumps(sorted(k for k in EngineRegistry._engines if k.startswith('memopd'))))",
+                   tmp_path, {"VERL_PLATFORM": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == ["memopd_language_model", "memopd_teacher",
+                                                                 "memopd_value_model"]
+
+
 def test_cpu_platform_is_never_auto_detected():
     from verl_memopd.platform.cpu import PlatformCPU
 

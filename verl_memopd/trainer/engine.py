@@ -36,7 +36,6 @@ from verl_memopd.supervision import encode_teacher_rows, get_transport
 from verl_memopd.trainer.audit import RCE_FIELD, RCE_FLAG, TEACHER_OUTPUT_KEY, rce_diffs
 from verl_memopd.trainer.calls import CALLS_ALONE, calls_alone
 from verl_memopd.trainer.rows import SEGMENT_IDS
-from verl_memopd.trainer.teacher import TEACHER_TRANSPORT, load_output_head
 
 STUDENT_LOGITS = "memopd_logits"
 PACKED_INDEX = "memopd_packed_index"  # output_args keys of the per_call execution (calls.py)
@@ -227,6 +226,11 @@ class MemopdTeacherEngine(_PackedRows, FSDPEngineWithLMHead):
 
     def _encode(self, rows: list[torch.Tensor], micro_batch) -> dict[str, torch.Tensor]:
         """The supervision payload of the rows' hidden states (A_b, H) under ``memopd_transport``."""
+        # imported here: the teacher worker's process imports trainer.teacher first (Ray unpickles the worker
+        # class), whose `import verl` loads the plugin, which imports this module; a module-level import
+        # would find trainer.teacher half-initialised and verl would drop every memopd engine registration
+        from verl_memopd.trainer.teacher import TEACHER_TRANSPORT, load_output_head
+
         spec = dict(tu.get_non_tensor_data(data=micro_batch, key=TEACHER_TRANSPORT, default={"name": "hidden"}))
         name, vocab_size = spec.pop("name"), spec.pop("vocab_size", None)
         transport = get_transport(name, **spec)
