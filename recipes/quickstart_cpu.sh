@@ -20,7 +20,7 @@
 #   training/rollout_probs_diff_max
 #   ~1e-5 (the trainer reproduces every call's rollout state); then validation F1
 #   (val-core/memopd_memory/tiny/reward/mean@1; ~0 for an untrained tiny student).
-# Baselines: add memopd.layout=flat (persistent history) or memopd.distill.coef=0 (PPO only).
+# Baselines: add memopd.teacher.state=flat (persistent-history teacher scoring) or memopd.distill.coef=0 (PPO only).
 set -euo pipefail
 out="${MEMOPD_QUICKSTART_DIR:-runs/quickstart}"
 

@@ -139,7 +139,7 @@ MAIN = "run_memopd_qwen2.5_3b_7b_1node.sh"
 #: script -> (extra env for its dry run, the config keys in which it may differ from MAIN's composed config)
 MATCHED = {
     MAIN: ({}, set()),
-    "run_baseline_flat_history.sh": ({}, {"memopd.layout"}),
+    "run_baseline_flat_history.sh": ({}, {"memopd.teacher.state"}),
     "run_baseline_ppo_only.sh": ({}, {"memopd.distill.coef"}),
     "run_memopd_multinode.sh": ({"RAY_DASHBOARD": "http://127.0.0.1:8265", "NNODES": "2"},
                                 {"trainer.nnodes", "memopd.teacher.nnodes"}),
@@ -225,4 +225,5 @@ def test_baselines_and_multinode_differ_from_memopd_only_where_intended(tmp_path
         differ = {k for k in main.keys() | other.keys() if main.get(k, "<absent>") != other.get(k, "<absent>")}
         assert differ - RUN_NAMING == intended, f"{script} differs from {MAIN} in {sorted(differ - RUN_NAMING)}"
     flat = _flat(compose_recipe("run_baseline_flat_history.sh"))
-    assert (main["memopd.layout"], flat["memopd.layout"]) == ("packed", "flat")
+    assert (main["memopd.teacher.state"], flat["memopd.teacher.state"]) == ("aligned", "flat")
+    assert main["memopd.layout"] == flat["memopd.layout"] == "packed"  # the student stays on the aligned rows

@@ -5,10 +5,10 @@ with the critic, PPO + full-vocabulary reverse KL, validation F1, a checkpoint a
 the per_call layout, which must reproduce the packed run).
 The in-loop alignment check: verl compares the rollout log-probs (vLLM, each call run alone)
 with the actor's log-probs of the same tokens from its training forward; on the packed layout
-they agree to fp32 noise (the trainer sees every call exactly as sampled). The flat layout
-(persistent-history baseline) must run through the same pipeline; how far it deviates is
-measured by the RCE audit (tests/test_rce.py): the untrained tiny student is near-uniform, so
-in-loop probability differences are too small to tell the layouts apart reliably.
+they agree to fp32 noise (the trainer sees every call exactly as sampled). The persistent-history
+baseline (``memopd.teacher.state=flat``) flattens the teacher's state only: the student's
+log-probs must still agree with vLLM's, while the teacher's supervision moves (its aligned-vs-flat
+KL > 0; per call: tests/test_teacher_state.py).
 """
 
 from __future__ import annotations
@@ -100,18 +100,31 @@ def test_memopd_trains_checkpoints_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_flat_baseline_with_grpo_and_a_colocated_teacher(tmp_path):
-    """Three variants in one bounded run (CI time): the persistent-history layout, GRPO advantages
-    (no critic) and the teacher in the actor's processes (one logical GPU for everything)."""
-    run = _quickstart(tmp_path, "memopd.layout=flat", "algorithm.adv_estimator=grpo",
-                      "memopd.teacher.placement=colocate", "ray_kwargs.ray_init.num_gpus=1",
-                      "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1")
+def test_flat_history_teacher_with_grpo_and_a_colocated_teacher(tmp_path):
+    """Three variants in one bounded run (CI time): the persistent-history teacher state (the paper's
+    matched control, audited on its step), GRPO advantages (no critic) and the teacher in the actor's
+    processes (one logical GPU for everything)."""
+    run = _quickstart(tmp_path, "memopd.teacher.state=flat", "memopd.audit.every_n_steps=1",
+                      "algorithm.adv_estimator=grpo", "memopd.teacher.placement=colocate",
+                      "ray_kwargs.ray_init.num_gpus=1", "trainer.total_training_steps=1", "trainer.save_freq=-1",
+                      "trainer.test_freq=-1")
     assert run.returncode == 0, run.tail()
     metrics = run.steps[1]
     assert not non_finite(metrics)
     assert all(k in metrics for k in MEMOPD_METRICS), sorted(k for k in metrics if "memopd" in k)
     assert "critic/vf_loss" not in metrics and "timing_s/values" not in metrics  # GRPO: no critic
     assert "[verl-memopd] teacher worker group initialized (colocate" in run.log
-    print(f"flat + grpo + colocated teacher: rollout_probs_diff_max={metrics['training/rollout_probs_diff_max']:.3g} "
+    # only the teacher's state is flat: the student's log-probs are still the rollout's, and the rows are
+    # handed back aligned after the teacher's flat pass -- the reference (== the policy at step 1) finds no
+    # KL, and the update's first forward (one mini-batch) reproduces the old log-probs (PPO ratio 1)
+    assert metrics["training/rollout_probs_diff_max"] < 1e-3, metrics["training/rollout_probs_diff_max"]
+    assert metrics["memopd/reward_kl/clipped_kl_mean"] < 1e-6, metrics["memopd/reward_kl/clipped_kl_mean"]
+    assert abs(metrics["actor/ppo_kl"]) < 1e-5, metrics["actor/ppo_kl"]
+    # the audit scored the aligned rows against the flat supervision
+    assert metrics["actor/memopd/audit/teacher_aligned_vs_flat_kl"] > 0
+    print(f"teacher.state=flat + grpo + colocated teacher: "
+          f"rollout_probs_diff_max={metrics['training/rollout_probs_diff_max']:.3g} "
+          f"ppo_kl={metrics['actor/ppo_kl']:.3g} clipped_kl={metrics['memopd/reward_kl/clipped_kl_mean']:.3g} "
+          f"teacher_aligned_vs_flat_kl={metrics['actor/memopd/audit/teacher_aligned_vs_flat_kl']:.4g} "
           f"reverse_kl={metrics['actor/memopd/reverse_kl']:.4g} step={metrics['timing_s/step']:.3g}s")
 

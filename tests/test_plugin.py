@@ -32,6 +32,17 @@ def test_import_verl_loads_our_registrations(tmp_path):
     assert "verl_memopd.plugin" in _python("import sys, verl; print(sorted(sys.modules))", tmp_path).stdout
 
 
+def test_registrations_survive_importing_the_teacher_worker_first(tmp_path):
+    """Ray unpickles MemopdTeacherWorker, so that process imports verl_memopd.trainer.teacher before verl:
+    the plugin must still register everything (an import cycle would be swallowed by verl)."""
+    proc = _python("import json, verl_memopd.trainer.teacher; from verl.workers.engine.base import EngineRegistry; "
+                   "print(json.dumps(sorted(k for k in EngineRegistry._engines if k.startswith('memopd'))))",
+                   tmp_path, {"VERL_PLATFORM": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == ["memopd_language_model", "memopd_teacher",
+                                                                 "memopd_value_model"]
+
+
 def test_cpu_platform_is_never_auto_detected():
     from verl_memopd.platform.cpu import PlatformCPU
 
@@ -45,6 +56,29 @@ def test_patches_are_idempotent():
     assert patches.patch_verl_gloo_process_group() is False
     patches.patch_vllm_cpu_weight_sync()
     assert patches.patch_vllm_cpu_weight_sync() is False
+    patches.patch_verl_gloo_torchrun_process_group()
+    assert patches.patch_verl_gloo_torchrun_process_group() is False
+
+
+_TORCHRUN_INIT = """
+import torch.distributed as dist, verl
+from verl.utils.distributed import initialize_global_process_group  # what verl.trainer.sft_trainer.run_sft calls
+print(initialize_global_process_group(timeout_second=60), dist.get_backend())
+"""
+
+
+@pytest.mark.parametrize("platform", ["cpu", ""])
+def test_torchrun_process_group_is_plain_gloo_on_cpu(tmp_path, platform):
+    """verl's SFT trainer (torchrun path) on the cpu platform: a plain gloo group; without the patch
+    (no cpu platform selected, on this GPU-less machine) verl's "cpu:gloo,cuda:nccl" cannot start."""
+    rendezvous = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": str(29500 + os.getpid() % 1000 + (platform == "cpu"))}
+    proc = _python(_TORCHRUN_INIT, tmp_path, {"VERL_PLATFORM": platform, **rendezvous})
+    if platform == "cpu":
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.strip().splitlines()[-1] == "(0, 0, 1) gloo"
+    else:
+        assert proc.returncode != 0 and "(0, 0, 1) gloo" not in proc.stdout
 
 
 def _compose(overrides: list[str], tmp_path, monkeypatch):

@@ -49,6 +49,7 @@ __all__ = [
     "register_transport",
     "get_transport",
     "nest_payload",
+    "encode_teacher_rows",
     "payload_bytes_per_token",
     "dense_logits_bytes_per_token",
 ]
@@ -210,12 +211,15 @@ class Transport(ABC):
 
     name: ClassVar[str]
     payload_keys: ClassVar[tuple[str, ...]]
+    #: whether ``encode`` needs the teacher's output head on the teacher side
+    teacher_needs_head: ClassVar[bool] = True
 
     @abstractmethod
     def encode(
-        self, hidden: torch.Tensor, head_weight: torch.Tensor, vocab_size: int, temperature: torch.Tensor
+        self, hidden: torch.Tensor, head_weight: Optional[torch.Tensor], vocab_size: int, temperature: torch.Tensor
     ) -> dict[str, torch.Tensor]:
-        """Teacher side. hidden (A, H_t), head_weight (V_rows, H_t), temperature (A,) -> flat payload (A, ...)."""
+        """Teacher side. hidden (A, H_t), head_weight (V_rows, H_t) (None allowed when not
+        ``teacher_needs_head``), temperature (A,) -> flat payload (A, ...)."""
 
     @abstractmethod
     def decode(
@@ -256,9 +260,11 @@ class HiddenTransport(Transport):
     """
 
     payload_keys: ClassVar[tuple[str, ...]] = (TEACHER_HIDDEN,)
+    teacher_needs_head: ClassVar[bool] = False  # the actor holds the head
 
     def encode(self, hidden, head_weight, vocab_size, temperature):
-        _check_head("hidden transport", head_weight, vocab_size, hidden.shape[-1])
+        if head_weight is not None:
+            _check_head("hidden transport", head_weight, vocab_size, hidden.shape[-1])
         return {TEACHER_HIDDEN: hidden.detach()}
 
     def decode(self, payload, teacher_head, vocab_size):
@@ -301,7 +307,7 @@ class TopKTransport(Transport):
         with torch.no_grad():
             for s in range(0, hidden.shape[0], self.token_chunk_size):
                 rows = slice(s, s + self.token_chunk_size)
-                logits = (hidden[rows] @ head_weight[:vocab_size].T).float() / temperature[rows, None].float()
+                logits = (hidden[rows].float() @ head_weight[:vocab_size].float().T) / temperature[rows, None].float()
                 logp = torch.log_softmax(logits, dim=-1)  # (n, V)
                 top_lp, top_ids = logp.topk(self.k, dim=-1)
                 tails.append(torch.logsumexp(logp.scatter(1, top_ids, -math.inf), dim=-1))  # (n,): -inf at k = V
@@ -330,6 +336,22 @@ def nest_payload(payload: Mapping[str, torch.Tensor], row_counts: torch.Tensor) 
             raise SupervisionError(f"nest_payload: {key} has {value.shape[0]} rows, row_counts sum to {int(offsets[-1])}")
         out[key] = torch.nested.nested_tensor_from_jagged(value, offsets=offsets)
     return out
+
+
+def encode_teacher_rows(transport: Transport, rows: list[torch.Tensor], head_weight: Optional[torch.Tensor],
+                        vocab_size: int, temperature: float) -> dict[str, torch.Tensor]:
+    """The teacher engine's output for one micro-batch: each row's final hidden states at its m_T
+    positions, ``rows[b]`` (A_b, H_t), encoded by ``transport`` -> jagged payload (B, A_b*, ...).
+
+    ``head_weight`` (V_rows, H_t): the teacher's own output head (needed by ``topk``, which forms
+    the teacher's logits here, at the rollout ``temperature``; ``hidden`` ships the states as they are).
+    """
+    if transport.teacher_needs_head and head_weight is None:
+        raise SupervisionError(f"transport {transport.name!r} encodes on the teacher and needs its output head")
+    counts = torch.tensor([r.shape[0] for r in rows], dtype=torch.long)
+    hidden = torch.cat(rows) if rows else torch.zeros(0, 0)
+    temps = torch.full((hidden.shape[0],), float(temperature), device=hidden.device)
+    return nest_payload(transport.encode(hidden, head_weight, vocab_size, temps), counts.to(hidden.device))
 
 
 def payload_bytes_per_token(payload: Mapping[str, torch.Tensor]) -> float:

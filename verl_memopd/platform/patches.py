@@ -75,6 +75,36 @@ def patch_verl_gloo_process_group() -> bool:
     return True
 
 
+def patch_verl_gloo_torchrun_process_group() -> bool:
+    """Give torchrun-launched verl entry points (the SFT trainer) a plain ``gloo`` process group on CPU.
+
+    Targets verl 0.9.1 (``verl/utils/distributed.py``): ``initialize_global_process_group`` (the
+    torchrun path, called by ``verl.trainer.sft_trainer.run_sft``) hard-codes the backend
+    ``f"cpu:gloo,{device}:{nccl_backend}"``, which on the CPU platform is ``"cpu:gloo,cpu:gloo"`` and
+    torch rejects ("Duplicate device type cpu"). The replacement does what the original does with
+    ``backend="gloo"``. ``run_sft`` imports the function at call time, so patching the module attribute
+    at ``import verl`` (where the plugin runs) is early enough. Returns True if applied.
+    """
+    import verl.utils.distributed as dist_utils
+
+    if getattr(dist_utils.initialize_global_process_group, "_memopd_gloo", False):
+        return False
+
+    def initialize_global_process_group(timeout_second: int = 36000) -> tuple[int, int, int]:
+        import os
+        from datetime import timedelta
+
+        import torch.distributed
+
+        torch.distributed.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout_second),
+                                             init_method=os.environ.get("DIST_INIT_METHOD", None))
+        return int(os.environ["LOCAL_RANK"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    initialize_global_process_group._memopd_gloo = True
+    dist_utils.initialize_global_process_group = initialize_global_process_group
+    return True
+
+
 def patch_verl_fsdp2_offload_pinning() -> bool:
     """Forward-only FSDP2 engines (reference model, teacher) without pinned memory on CPU.
 
@@ -100,6 +130,7 @@ def patch_verl_fsdp2_offload_pinning() -> bool:
 def apply_verl_cpu_patches() -> None:
     """verl-side patches for the ``cpu`` platform (see module docstring)."""
     patch_verl_gloo_process_group()
+    patch_verl_gloo_torchrun_process_group()
     patch_verl_fsdp2_offload_pinning()
 
 

@@ -21,7 +21,9 @@ Aligned-vs-flat teacher KL (teacher + actor loss)
     Packed layout only. The teacher scores the step's rows a second time under the flat layout (persistent history,
     the paper's baseline) into ``memopd_teacher_hidden_flat``; the actor loss reports
     ``KL(p_T aligned || p_T flat)`` per teacher-supervised token: how far the baseline's
-    supervision is from the state the student sampled in.
+    supervision is from the state the student sampled in. With ``memopd.teacher.state=flat`` the
+    supervision is the flat one and the audit pass scores the aligned rows instead
+    (``memopd_teacher_hidden_aligned``); the metric is the same KL, aligned || flat.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ RCE_TOLERANCE_FIELD = "memopd_rce_tolerance"
 #: non-tensor option of a teacher batch: the TransferQueue field its hidden states go to
 TEACHER_OUTPUT_KEY = "memopd_teacher_output_key"
 TEACHER_HIDDEN_FLAT = "memopd_teacher_hidden_flat"
+#: the audit pass of ``memopd.teacher.state=flat``: the supervision is flat, the audit scores the aligned rows
+TEACHER_HIDDEN_ALIGNED = "memopd_teacher_hidden_aligned"
 
 
 class RceAuditError(RuntimeError):

@@ -17,8 +17,11 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 #: Layouts the trainer can execute: packed = MemOPD, per_call = the same rows run call by call
-#: (packing's speed baseline, numerically equal), flat = persistent history (the paper's baseline).
+#: (packing's speed baseline, numerically equal), flat = everything flattened (diagnostic).
 TRAINER_LAYOUTS = ("packed", "per_call", "flat")
+#: The state the teacher scores: aligned = the student's rows (MemOPD), flat = the persistent history
+#: (positions 0..L-1, one causal segment; the paper's persistent-history teacher scoring).
+TEACHER_STATES = ("aligned", "flat")
 TEACHER_PLACEMENTS = ("separate", "colocate")
 TEACHER_MASK_POLICIES = ("action",)
 AUDIT_ON_FAILURE = ("raise", "warn")  # memopd.audit.on_failure (verl_memopd.trainer.audit.rce_check)
@@ -36,9 +39,14 @@ class TeacherConfig:
     placement: ``separate`` -- its own resource pool of ``n_gpus_per_node x nnodes`` (GPUs; on the
         cpu platform logical GPUs = processes); ``colocate`` -- in the actor's processes, on the
         actor's GPUs (``trainer.n_gpus_per_node x trainer.nnodes``), like verl's reference/critic.
-    n_gpus_per_node / nnodes: size of the teacher pool (``separate`` only).
+    n_gpus_per_node / nnodes: size of the teacher pool (``separate`` only; ``colocate`` refuses
+        values other than 1 x 1: the teacher runs on the actor's GPUs).
     attn_implementation: attention for the teacher's packed forward (memopd_torch on CPU,
         memopd_fa2 with flash-attn on CUDA).
+    state: the state the teacher scores each sampled token in. ``aligned`` (MemOPD): the student's
+        rows, exactly as sampled. ``flat``: the persistent history -- call t's block after q and
+        every earlier block, positions 0..L-1, one causal segment (the paper's matched control,
+        "persistent-history teacher scoring"); student, reference and critic stay on the aligned rows.
     """
 
     path: Optional[str] = None
@@ -46,6 +54,7 @@ class TeacherConfig:
     n_gpus_per_node: int = 1
     nnodes: int = 1
     attn_implementation: str = "memopd_torch"
+    state: str = "aligned"
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,7 @@ class DistillConfig:
 
     coef: lambda >= 0; 0 = PPO only (no teacher is started).
     divergence: reverse_kl (paper) | forward_kl | jsd.  transport: hidden (exact) | topk.
+    topk: tokens per position the ``topk`` transport ships (default null = 128); refused with ``hidden``.
     teacher_mask: which sampled tokens the teacher supervises; ``action`` = m_T = m_act (paper's main setting).
     token_clamp: optional cap on each token's divergence.  token_chunk_size: tokens per chunk.
     """
@@ -61,6 +71,7 @@ class DistillConfig:
     coef: float = 1.0
     divergence: str = "reverse_kl"
     transport: str = "hidden"
+    topk: Optional[int] = None
     teacher_mask: str = "action"
     token_clamp: Optional[float] = None
     token_chunk_size: int = 256
@@ -97,10 +108,12 @@ class MemopdConfig:
     """``memopd``: layout, task-branch coefficients, teacher branch and audits; ``agent`` is read by
     the memory agent loop itself.
 
-    layout: ``packed`` (MemOPD: restored positions, block visibility), ``per_call`` (the same rows,
-        every forward running each call alone with ``q`` repeated: the unpacked speed baseline) or
-        ``flat`` (the same rows run with positions 0..L-1 and plain causal attention:
-        persistent-history baseline).
+    layout: what every forward (actor, reference, critic, teacher) executes: ``packed`` (MemOPD:
+        restored positions, block visibility), ``per_call`` (the same rows, every forward running each
+        call alone with ``q`` repeated: the unpacked speed baseline) or ``flat`` (everything flattened,
+        a diagnostic: positions 0..L-1 and plain causal attention for the student too, so its
+        log-probs are not the rollout's). The paper's persistent-history baseline is
+        ``teacher.state=flat``, which flattens the teacher only.
     entropy_coef: alpha in ``L = L_PPO - alpha*H + lambda*L_OPD``; the recipe points verl's
         ``actor_rollout_ref.actor.entropy_coeff`` at it.
     kl_penalty_coef: beta of the reward's clipped KL penalty ``r - beta*[l_old - l_ref]_+``
@@ -124,6 +137,12 @@ class MemopdConfig:
         if self.teacher.placement == "separate" and min(self.teacher.n_gpus_per_node, self.teacher.nnodes) < 1:
             raise MemopdConfigError(f"memopd.teacher: placement=separate needs n_gpus_per_node >= 1 and nnodes >= 1, "
                                     f"got {self.teacher.n_gpus_per_node} x {self.teacher.nnodes}; or placement=colocate")
+        if self.teacher.placement == "colocate" and (self.teacher.n_gpus_per_node, self.teacher.nnodes) != (1, 1):
+            raise MemopdConfigError(f"memopd.teacher: n_gpus_per_node={self.teacher.n_gpus_per_node}, nnodes="
+                                    f"{self.teacher.nnodes} size a separate teacher pool; placement=colocate runs the "
+                                    f"teacher on the actor's GPUs (leave them at 1 x 1, or placement=separate)")
+        self._check_teacher_state()
+        self._check_transport()
         if self.distill.teacher_mask not in TEACHER_MASK_POLICIES:
             raise MemopdConfigError(f"memopd.distill.teacher_mask={self.distill.teacher_mask!r}: expected one of "
                                     f"{TEACHER_MASK_POLICIES}")
@@ -144,6 +163,38 @@ class MemopdConfig:
             from verl_memopd.supervision import get_transport
 
             get_divergence(self.distill.divergence), get_transport(self.distill.transport)  # unknown names raise
+
+    def _check_teacher_state(self) -> None:
+        state = self.teacher.state
+        if state not in TEACHER_STATES:
+            raise MemopdConfigError(f"memopd.teacher.state={state!r}: expected one of {TEACHER_STATES}")
+        if state == "flat" and self.distill.coef == 0:
+            raise MemopdConfigError("memopd.teacher.state=flat with memopd.distill.coef=0: there is no teacher to "
+                                    "score the flat history (PPO only); drop the state or set coef > 0")
+        if state == "flat" and self.layout == "flat":
+            raise MemopdConfigError("memopd.teacher.state=flat with memopd.layout=flat: the flat layout already "
+                                    "flattens every forward; for the matched control (the teacher alone scores the "
+                                    "persistent history) keep memopd.layout=packed")
+
+    def _check_transport(self) -> None:
+        topk = self.distill.topk
+        if topk is not None and self.distill.transport != "topk":
+            raise MemopdConfigError(f"memopd.distill.topk={topk} is read by transport=topk only; "
+                                    f"transport={self.distill.transport!r} ships the exact distribution")
+        if topk is not None and topk < 1:
+            raise MemopdConfigError(f"memopd.distill.topk={topk} must be >= 1 (or null for 128)")
+
+    def transport_options(self) -> dict:
+        """Keyword options of ``supervision.get_transport(distill.transport, ...)`` on the teacher side."""
+        if self.distill.transport != "topk":
+            return {}
+        return {"token_chunk_size": self.distill.token_chunk_size,
+                **({"k": self.distill.topk} if self.distill.topk is not None else {})}
+
+    @property
+    def teacher_layout(self) -> str:
+        """The layout the teacher's supervision is scored under: the student's, or flat (teacher.state=flat)."""
+        return "flat" if self.teacher.state == "flat" else self.layout
 
     @property
     def uses_teacher(self) -> bool:
@@ -185,12 +236,30 @@ def from_config(config: DictConfig) -> MemopdConfig:
     if node is None:
         raise MemopdConfigError("trainer.v1.trainer_mode=memopd needs the memopd: tree; add +recipe=memopd")
     memopd = _build(MemopdConfig, OmegaConf.to_container(node, resolve=True), "memopd")
+    _check_agent(memopd.agent)
+    actor = (config.get("actor_rollout_ref") or {}).get("actor") or {}
+    if actor.get("use_prefix_grouper", False):
+        raise MemopdConfigError("actor_rollout_ref.actor.use_prefix_grouper=true: verl's PrefixGrouper shares a prompt "
+                                "across the n samples of a group in its legacy trainer only (the V1 engines that "
+                                "MemOPD runs on never read the key), and its position ids / attention would replace "
+                                "MemOPD's packed call blocks; set it to false (packing already stores q once per episode)")
     algorithm = config.get("algorithm") or {}
     if memopd.uses_reference and algorithm.get("use_kl_in_reward", False):
         raise MemopdConfigError("algorithm.use_kl_in_reward=true and memopd.kl_penalty_coef > 0 would penalise the "
                                 "reward twice: MemOPD applies its clipped penalty itself; set "
                                 "algorithm.use_kl_in_reward=false (or memopd.kl_penalty_coef=0 for verl's own)")
     return memopd
+
+
+def _check_agent(agent: dict) -> None:
+    """``memopd.agent`` is read by the memory agent loop in the rollout workers; refuse a bad key here,
+    before Ray starts."""
+    from verl_memopd.agent.loop import MemoryAgentConfig
+
+    try:
+        MemoryAgentConfig.from_mapping(agent)
+    except (TypeError, ValueError) as e:
+        raise MemopdConfigError(str(e)) from None
 
 
 class RecipeCheck(Callback):

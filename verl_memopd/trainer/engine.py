@@ -9,7 +9,8 @@ packed-attention metadata from the row's ``memopd_segment_ids`` (restored by
     memopd_language_model  actor / ref: + full-vocabulary logits for the OPD loss when asked,
                            + the RCE spot-check on audit steps (verl_memopd.trainer.audit)
     memopd_value_model     critic
-    memopd_teacher         teacher worker group: final post-norm hidden states at m_T positions
+    memopd_teacher         teacher worker group: its supervision at m_T positions, encoded by the
+                           transport (hidden states, or top-k + tail computed with its own head)
 
 With ``memopd.layout=per_call`` (rows flagged ``memopd_calls_alone``) the same engines run every
 call as its own sequence (``verl_memopd.trainer.calls``) and read the outputs back in the packed
@@ -31,7 +32,7 @@ from verl_memopd.attention import PackedAttentionError, require_packed_attention
 from verl_memopd.losses.actor import TEACHER_MASK, assign_global_teacher_counts
 from verl_memopd.platform.patches import patch_verl_valuehead_attention
 from verl_memopd.segments import SegmentMeta, padded_batch_segments, segment_meta
-from verl_memopd.supervision import TEACHER_HIDDEN
+from verl_memopd.supervision import encode_teacher_rows, get_transport
 from verl_memopd.trainer.audit import (
     RCE_FIELD,
     RCE_FLAG,
@@ -208,10 +209,14 @@ class MemopdValueEngine(_PackedRows, FSDPEngineWithValueHead):
 
 @EngineRegistry.register(model_type="memopd_teacher", backend=_BACKENDS, device=_DEVICES)
 class MemopdTeacherEngine(_PackedRows, FSDPEngineWithLMHead):
-    """Teacher engine (forward only): returns ``memopd_teacher_hidden`` (B, A_b*, H), the final
-    post-norm hidden states at the positions that predict each row's teacher-supervised tokens
-    (response token j is predicted at sequence position P_b + j - 1), in order. An audit batch
-    names another output field (``memopd_teacher_output_key``)."""
+    """Teacher engine (forward only): gathers the final post-norm hidden states at the positions that
+    predict each row's teacher-supervised tokens (response token j is predicted at sequence position
+    P_b + j - 1), in order, and returns them encoded by the batch's transport (``memopd_transport``:
+    ``hidden`` -> ``memopd_teacher_hidden`` (B, A_b*, H); ``topk`` -> top-k ids / log-probs (B, A_b*, K)
+    + log tail mass (B, A_b*), from the teacher's own output head). An audit batch names another
+    output field (``memopd_teacher_output_key``): the hidden states as they are, under that name."""
+
+    _memopd_head = None  # (V_rows, H) fp32 output head, loaded on first use by transports that need it
 
     def prepare_model_inputs(self, micro_batch):
         model_inputs, output_args = super().prepare_model_inputs(micro_batch)
@@ -222,10 +227,31 @@ class MemopdTeacherEngine(_PackedRows, FSDPEngineWithLMHead):
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
         output = self.packed_order(output, output_args, logits=False)  # logits_to_keep=1: unused
         use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
-        key = tu.get_non_tensor_data(data=micro_batch, key=TEACHER_OUTPUT_KEY, default=TEACHER_HIDDEN)
+        key = tu.get_non_tensor_data(data=micro_batch, key=TEACHER_OUTPUT_KEY, default=None)
         hidden = _jagged_like(output.hidden_states[-1], micro_batch, use_rmpad)
         rows = []
         for h, m in zip(hidden.unbind(), micro_batch[TEACHER_MASK].unbind()):
             start = h.shape[0] - m.shape[0] - 1  # position P_b - 1 predicts response token 0
             rows.append(h[start + torch.nonzero(m, as_tuple=True)[0]])
-        return {key: torch.nested.as_nested_tensor(rows, layout=torch.jagged)}
+        if key is not None:
+            return {key: torch.nested.as_nested_tensor(rows, layout=torch.jagged)}
+        return self._encode(rows, micro_batch)
+
+    def _encode(self, rows: list[torch.Tensor], micro_batch) -> dict[str, torch.Tensor]:
+        """The supervision payload of the rows' hidden states (A_b, H) under ``memopd_transport``."""
+        # imported here: the teacher worker's process imports trainer.teacher first (Ray unpickles the worker
+        # class), whose `import verl` loads the plugin, which imports this module; a module-level import
+        # would find trainer.teacher half-initialised and verl would drop every memopd engine registration
+        from verl_memopd.trainer.teacher import TEACHER_TRANSPORT, load_output_head
+
+        spec = dict(tu.get_non_tensor_data(data=micro_batch, key=TEACHER_TRANSPORT, default={"name": "hidden"}))
+        name, vocab_size = spec.pop("name"), spec.pop("vocab_size", None)
+        transport = get_transport(name, **spec)
+        head = None
+        if transport.teacher_needs_head:
+            if self._memopd_head is None:  # frozen: read once per worker, in fp32 (like the actor's copy)
+                path = self.model_config.local_path or self.model_config.path
+                self._memopd_head = load_output_head(path).float().to(rows[0].device)
+            head = self._memopd_head
+        temperature = tu.get_non_tensor_data(data=micro_batch, key="temperature", default=1.0)
+        return encode_teacher_rows(transport, rows, head, vocab_size, temperature)

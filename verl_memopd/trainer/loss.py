@@ -18,7 +18,7 @@ from verl.utils.metric import AggregationType, Metric
 
 from verl_memopd.losses.actor import TEACHER_HEAD, TEACHER_NUM_TOKENS, OPDLossConfig, memopd_actor_loss
 from verl_memopd.supervision import TEACHER_HIDDEN
-from verl_memopd.trainer.audit import TEACHER_HIDDEN_FLAT, teacher_layout_kl
+from verl_memopd.trainer.audit import TEACHER_HIDDEN_ALIGNED, TEACHER_HIDDEN_FLAT, teacher_layout_kl
 from verl_memopd.trainer.teacher import load_output_head
 
 
@@ -45,14 +45,18 @@ class MemopdActorLoss:
         if self.opd_config.coef > 0 and self.opd_config.transport == "hidden":
             model_output = {**model_output, TEACHER_HEAD: self.teacher_head(data["responses"].device)}
         loss, metrics = memopd_actor_loss(self.actor_config, self.opd_config, model_output, data, dp_group=dp_group)
-        if TEACHER_HIDDEN_FLAT in data.keys():
+        if TEACHER_HIDDEN_FLAT in data.keys() or TEACHER_HIDDEN_ALIGNED in data.keys():
             metrics.update(self.teacher_layout_metric(data))
         return loss, metrics
 
     def teacher_layout_metric(self, data) -> dict:
         """Audit steps: KL(p_T aligned || p_T flat) at this micro-batch's m_T tokens, as a partial sum
-        of the global per-token mean (like the ``memopd/*`` loss metrics)."""
-        aligned, flat = data[TEACHER_HIDDEN].values(), data[TEACHER_HIDDEN_FLAT].values()
+        of the global per-token mean (like the ``memopd/*`` loss metrics). ``memopd_teacher_hidden`` is
+        the supervision's layout; the audit pass filled the other one (``trainer.teacher.teacher_passes``)."""
+        if TEACHER_HIDDEN_ALIGNED in data.keys():  # teacher.state=flat: the supervision is the flat one
+            aligned, flat = data[TEACHER_HIDDEN_ALIGNED].values(), data[TEACHER_HIDDEN].values()
+        else:
+            aligned, flat = data[TEACHER_HIDDEN].values(), data[TEACHER_HIDDEN_FLAT].values()
         kl = teacher_layout_kl(self.teacher_head(aligned.device), aligned, flat, self.opd_config.token_chunk_size)
         weight = tu.get_non_tensor_data(data, "dp_size", 1) / max(tu.get_non_tensor_data(data, TEACHER_NUM_TOKENS, 1), 1)
         return {"memopd/audit/teacher_aligned_vs_flat_kl": Metric(AggregationType.SUM, kl.sum() * weight)}

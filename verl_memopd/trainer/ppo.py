@@ -6,7 +6,9 @@ Registered with verl's trainer registry; the recipe selects it with
     rollout (memory agent, vLLM)      rows = episodes (one verl row each)
     reward (final-answer F1)
     + restore each row's layout: positions, segments, teacher mask                  (rows.py)
-    old log-probs (actor, packed)     + teacher scoring: memopd_teacher_hidden at m_T     (teacher.py)
+    old log-probs (actor, packed)     + teacher scoring: its supervision at m_T            (teacher.py)
+                                        (teacher.state=flat: the rows laid out flat for the teacher
+                                        alone, then the student's layout restored)
     ref log-probs / values (packed)
     + reward r - beta*[l_old - l_ref]_+ per action token                                 (reward.py)
     advantages (GAE over the row's action tokens, or GRPO)
@@ -34,19 +36,20 @@ from verl_memopd.trainer.audit import (
     RCE_FIELD,
     RCE_FLAG,
     RCE_TOLERANCE_FIELD,
-    TEACHER_HIDDEN_FLAT,
     TEACHER_OUTPUT_KEY,
     rce_check,
     rce_metrics,
 )
-from verl_memopd.trainer.config import from_config
+from verl_memopd.trainer.config import MemopdConfigError, from_config
 from verl_memopd.trainer.loss import MemopdActorLoss
 from verl_memopd.trainer.reward import penalise_in_place
 from verl_memopd.trainer.rows import restore_layout
 from verl_memopd.trainer.teacher import (
+    TEACHER_TRANSPORT,
     MemopdCriticWorker,
     MemopdTeacherWorker,
     check_teacher_compatible,
+    teacher_passes,
     teacher_worker_config,
 )
 from verl_memopd.trainer.watchdog import NodeWatchdog, pool_nodes
@@ -65,6 +68,9 @@ class MemopdTrainer(PPOTrainerSync):
         self.vocab_size = None
         if self.memopd.uses_teacher:
             self.vocab_size = check_teacher_compatible(config.actor_rollout_ref.model.path, self.memopd.teacher.path)
+            k = self.memopd.transport_options().get("k")
+            if k is not None and k > self.vocab_size:
+                raise MemopdConfigError(f"memopd.distill.topk={k} exceeds the vocabulary size {self.vocab_size}")
         super().__init__(config)
         # verl starts a reference only for its own KL terms; MemOPD's reward penalty needs one too
         self.use_reference_policy = self.use_reference_policy or self.memopd.uses_reference
@@ -173,24 +179,39 @@ class MemopdTrainer(PPOTrainerSync):
             metrics.update(rce_metrics(diffs))
             metrics.update(rce_check(diffs, tolerances, [str(k) for k in batch.keys], self.memopd.audit.on_failure))
         if self.teacher_wg is not None:
-            with marked_timer("teacher", self.timing_raw, color="purple"):
-                self._score_with_teacher(batch)
-            if audit and self.memopd.audit.teacher_flat_kl:
-                with marked_timer("memopd_audit_teacher_flat", self.timing_raw, color="purple"):
-                    restore_layout(batch, "flat")
-                    self._score_with_teacher(batch, output_key=TEACHER_HIDDEN_FLAT)
-                    restore_layout(batch, self.memopd.layout)
+            self._teacher_step(batch, audit)
         return batch
 
+    def _teacher_step(self, batch, audit: bool) -> None:
+        """The teacher's passes of the step (:func:`teacher_passes`): the supervision under the teacher's
+        state, then on audit steps the other layout. Rows are laid out for each pass and handed back in
+        the student's layout, which the reference, the critic and the actor update read."""
+        layout = self.memopd.layout
+        for i, teacher_pass in enumerate(teacher_passes(self.memopd, audit)):
+            name = "teacher" if i == 0 else "memopd_audit_teacher"
+            with marked_timer(name, self.timing_raw, color="purple"):
+                if teacher_pass.layout != layout:
+                    layout = teacher_pass.layout
+                    restore_layout(batch, layout)
+                self._score_with_teacher(batch, output_key=teacher_pass.output_key)
+        if layout != self.memopd.layout:
+            with marked_timer("memopd_layout", self.timing_raw, color="white"):
+                restore_layout(batch, self.memopd.layout)
+
     def _score_with_teacher(self, batch, output_key=None):
-        """The teacher worker group scores the rows' current layout into TransferQueue."""
+        """The teacher worker group scores the rows' current layout into TransferQueue: the transport's
+        payload, or (``output_key``) its hidden states under that field."""
         batch.extra_info.update({"compute_loss": False,
-                                 "temperature": self.config.actor_rollout_ref.rollout.temperature})
+                                 "temperature": self.config.actor_rollout_ref.rollout.temperature,
+                                 TEACHER_TRANSPORT: {"name": self.memopd.distill.transport,
+                                                     "vocab_size": self.vocab_size,
+                                                     **self.memopd.transport_options()}})
         if output_key is not None:
             batch.extra_info[TEACHER_OUTPUT_KEY] = output_key
         output = self.teacher_wg.infer_batch(batch)
         ray.get(output.futures)
-        batch.extra_info.pop(TEACHER_OUTPUT_KEY, None)
+        for key in (TEACHER_OUTPUT_KEY, TEACHER_TRANSPORT):
+            batch.extra_info.pop(key, None)
 
     def _compute_advantage(self, batch, metrics):
         """verl's advantage step on ``r - beta*[l_old - l_ref]_+`` (``memopd.kl_penalty_coef``)."""

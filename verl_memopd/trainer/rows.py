@@ -9,8 +9,12 @@ for the step's keys, the fields every later forward reads (actor, ref, critic, t
     memopd_segment_ids    (P + R,) 0 = q, t+1 = call t      | flat layout: all 0 (one causal segment)
     memopd_teacher_mask   (R,) m_T per response token
     memopd_call_index     (R,) call t of each response token (per-invocation metrics)
-    memopd_calls_alone    () = 1                             per_call layout only: the packed fields,
-                                                             executed call by call (calls.py)
+    memopd_calls_alone    () 1 under the per_call layout (the packed fields, executed call by call,
+                          calls.py), else 0 -- always written, so re-laying out a step's rows (the
+                          teacher's flat pass, audits) never leaves a stale flag behind
+
+The trainer may lay the same rows out twice in a step: ``memopd.teacher.state=flat`` (or an audit)
+has the teacher score the flat layout, then restores the student's layout for reference and critic.
 
 verl's synthetic padding rows (tag ``is_padding``; appended when the batch does not divide into the
 data-parallel / mini-batch sizes) copy the first real row's ``extra_fields``; they get a plain
@@ -66,9 +70,8 @@ def padding_fields(prompt_len: int, response_len: int, layout: str) -> dict:
 
 
 def _execution(fields: dict, layout: str) -> dict:
-    """``per_call``: the packed row's fields, flagged for the engines to run each call alone."""
-    if layout == "per_call":
-        fields[CALLS_ALONE] = torch.tensor(1)
+    """``per_call``: the packed row's fields, flagged (1) for the engines to run each call alone; other layouts 0."""
+    fields[CALLS_ALONE] = torch.tensor(int(layout == "per_call"))
     return fields
 
 

@@ -2,10 +2,13 @@
 
 It runs the teacher through verl's own worker/engine machinery (FSDP, the ``memopd_teacher``
 engine of :mod:`verl_memopd.trainer.engine`), so it scores exactly the rows -- positions and
-call-block visibility -- that the actor trains on, and writes ``memopd_teacher_hidden`` (the
-``hidden`` transport: final hidden states at m_T positions, (B, A_b*, H)) to TransferQueue.
-The actor turns them into exact full-vocabulary teacher log-probs with a frozen copy of the
-teacher's output head (:func:`load_output_head`); no ``[tokens, vocab]`` logits cross workers.
+call-block visibility -- that the actor trains on (``memopd.teacher.state=aligned``), or the same
+rows flattened into the persistent history (``state=flat``; see :func:`teacher_passes`), and writes
+its supervision at m_T positions to TransferQueue: ``memopd_teacher_hidden`` (the ``hidden``
+transport: final hidden states, (B, A_b*, H)) or the ``topk`` transport's ids / log-probs / tail.
+With ``hidden`` the actor turns the states into exact full-vocabulary teacher log-probs with a
+frozen copy of the teacher's output head (:func:`load_output_head`); no ``[tokens, vocab]``
+logits cross workers.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from copy import deepcopy
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -21,10 +26,47 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, TrainingWorkerConfig
 from verl.workers.engine_workers import TrainingWorker
 
-from verl_memopd.supervision import VocabSpec, check_vocab_agreement
+from verl_memopd.supervision import TEACHER_HIDDEN, VocabSpec, check_vocab_agreement
+from verl_memopd.trainer.audit import TEACHER_HIDDEN_ALIGNED, TEACHER_HIDDEN_FLAT
 from verl_memopd.trainer.config import MemopdConfig
 
 TEACHER_MODEL_TYPE = "memopd_teacher"
+#: non-tensor option of a teacher batch: {"name": transport, "vocab_size": V, **transport options}
+TEACHER_TRANSPORT = "memopd_transport"
+
+
+@dataclass(frozen=True)
+class TeacherPass:
+    """One teacher forward of a step: the layout the rows are laid out in, and where its output goes
+    (``output_key`` None: the transport's supervision payload; else hidden states under that field)."""
+
+    layout: str
+    output_key: Optional[str] = None
+
+
+def teacher_passes(memopd: MemopdConfig, audit: bool) -> list[TeacherPass]:
+    """The teacher's forwards of one step, in order. The first is the supervision the loss consumes,
+    under ``memopd.teacher_layout`` (the student's layout, or flat with ``teacher.state=flat``).
+    On audit steps (``audit.teacher_flat_kl``) the teacher also gives its hidden states under the
+    *other* layout, so the actor can report ``KL(p_T aligned || p_T flat)`` either way round::
+
+        state    supervision          audit pass
+        aligned  student layout       flat    -> memopd_teacher_hidden_flat
+        flat     flat                 aligned -> memopd_teacher_hidden_aligned
+
+    A transport other than ``hidden`` ships no hidden states, so an audit step adds a pass that gives
+    the supervision layout's hidden states under ``memopd_teacher_hidden``.
+    """
+    passes = [TeacherPass(memopd.teacher_layout)]
+    if not (audit and memopd.audit.teacher_flat_kl):
+        return passes
+    if memopd.distill.transport != "hidden":
+        passes.append(TeacherPass(memopd.teacher_layout, TEACHER_HIDDEN))
+    if memopd.teacher.state == "flat":
+        passes.append(TeacherPass(memopd.layout, TEACHER_HIDDEN_ALIGNED))
+    else:
+        passes.append(TeacherPass("flat", TEACHER_HIDDEN_FLAT))
+    return passes
 
 
 class MemopdCriticWorker(TrainingWorker):

@@ -1,0 +1,148 @@
+"""The CPU experiment (verl_memopd.experiment): parsing, the CSV/summary/plot contract, and the smoke run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from verl_memopd.experiment.config import ExperimentConfig, SftConfig, full_config, smoke_config
+from verl_memopd.experiment.launch import parse_steps, val_scores
+from verl_memopd.experiment.report import COLUMNS, read_metrics, summary_lines, write_metrics
+from verl_memopd.experiment.sft import fp32_export, sft_losses
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_parse_steps_merges_lines_and_reads_validation():
+    log = ("step:0 - val-core/memopd_memory/tiny/reward/mean@1:0.25 - val-aux/memopd_memory/tiny/f1/mean@1:0.25"
+           " - val-aux/memopd_memory/tiny/em/mean@1:np.float64(0.125)\n"
+           "Training Progress: 10%|#| 1/10 [00:02<00:18]step:1 - actor/memopd/reverse_kl:0.5 - timing_s/step:2.0\n"
+           "step:1 - critic/score/mean:0.3 - note:text\n")
+    steps = parse_steps(log)
+    assert steps[1] == {"actor/memopd/reverse_kl": 0.5, "timing_s/step": 2.0, "critic/score/mean": 0.3}
+    assert val_scores(steps[0]) == {"f1": 0.25, "em": 0.125}
+    assert val_scores(steps[1]) is None
+    with pytest.raises(KeyError, match="em"):
+        val_scores({"val-aux/memopd_memory/tiny/f1/mean@1": 0.1})
+
+
+def test_sft_losses_read_train_and_val_loss():
+    log = ("step:1 - perf/x:1 - train/loss:7.3 - train/lr:0.001\n"
+           "Epoch 1/9:   2%|  | 1/64 [00:06<06:54,  6.57s/it]step:2 - train/loss:6.8 - train/grad_norm:4.1\n"
+           "step:2 - val/loss:6.6\n")
+    assert sft_losses(log) == {1: {"train/loss": 7.3}, 2: {"train/loss": 6.8, "val/loss": 6.6}}
+
+
+def test_fp32_export_fixes_the_config_dtype(tmp_path):
+    (tmp_path / "config.json").write_text('{"dtype": "bfloat16", "hidden_size": 8}')
+    fp32_export(tmp_path)
+    assert '"dtype": "float32"' in (tmp_path / "config.json").read_text()
+    with pytest.raises(FileNotFoundError, match="hf_model"):
+        fp32_export(tmp_path / "missing")
+
+
+def test_configs_are_consistent():
+    for cfg in (full_config(), smoke_config()):
+        assert isinstance(cfg, ExperimentConfig)
+    assert len(full_config().arms.seeds) == 3 and full_config().arms.arms == ("memopd", "flat", "ppo")
+    with pytest.raises(ValueError, match="multiple of save_every"):
+        SftConfig(steps=10, batch=4, lr=1e-3, save_every=3)
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="student_eval_steps"):
+        replace(full_config(), student_eval_steps=(75,))
+
+
+def _rows():
+    rows = [dict(arm="teacher", seed=0, step=2000, split=s, f1=f, em=0.5, reverse_kl=None,
+                 teacher_aligned_vs_flat_kl=None, wall_s=100.0) for s, f in (("val", 0.8), ("test", 0.82))]
+    rows += [dict(arm="student", seed=0, step=200, split=s, f1=f, em=0.0, reverse_kl=None,
+                  teacher_aligned_vs_flat_kl=None, wall_s=50.0) for s, f in (("val", 0.2), ("test", 0.21))]
+    for arm, base in (("memopd", 0.5), ("flat", 0.4), ("ppo", 0.25)):
+        for seed in (0, 1, 2):
+            for step in (0, 10):
+                rows.append(dict(arm=arm, seed=seed, step=step, split="val", f1=base + 0.01 * seed * step / 10,
+                                 em=0.1, reverse_kl=None, teacher_aligned_vs_flat_kl=None, wall_s=float(step)))
+                if step:
+                    rows.append(dict(arm=arm, seed=seed, step=step, split="train", f1=0.3, em=None,
+                                     reverse_kl=None if arm == "ppo" else 0.1 * (seed + 1),
+                                     teacher_aligned_vs_flat_kl=0.05, wall_s=float(step)))
+            rows.append(dict(arm=arm, seed=seed, step=10, split="test", f1=base + 0.01 * seed, em=0.1,
+                             reverse_kl=None, teacher_aligned_vs_flat_kl=None, wall_s=600.0))
+    return rows
+
+
+def test_csv_round_trip_and_summary_line(tmp_path):
+    path = tmp_path / "metrics.csv"
+    write_metrics(_rows(), path)
+    assert path.read_text().splitlines()[0] == ",".join(COLUMNS)
+    rows = read_metrics(path)
+    assert len(rows) == len(_rows())
+    lines = summary_lines(rows)
+    assert lines[-1] == ("experiment seeds=3 steps=10 teacher_f1=0.8200 start_f1=0.2100 memopd_f1=0.5100 "
+                         "flat_f1=0.4100 ppo_f1=0.2600")
+    assert any(line.startswith("memopd") and "0.0100" in line for line in lines)  # std over seeds
+
+
+def test_summary_of_a_partial_run_says_na(tmp_path):
+    path = tmp_path / "metrics.csv"
+    write_metrics([r for r in _rows() if r["arm"] in ("teacher", "student")], path)
+    assert summary_lines(read_metrics(path))[-1] == (
+        "experiment seeds=0 steps=0 teacher_f1=0.8200 start_f1=0.2100 memopd_f1=na flat_f1=na ppo_f1=na")
+
+
+def test_summary_cli_prints_the_line(tmp_path):
+    path = tmp_path / "metrics.csv"
+    write_metrics(_rows(), path)
+    out = subprocess.run([sys.executable, "-m", "verl_memopd.experiment", "summary", str(path)], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip().splitlines()[-1].startswith("experiment seeds=3 steps=10 teacher_f1=0.8200")
+
+
+def test_plot_writes_a_png(tmp_path):
+    from verl_memopd.experiment.plot import band, plot_metrics
+
+    out = plot_metrics(_rows(), tmp_path / "f1.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    steps, mean, lo, hi = band(_rows(), "memopd", "train", "reverse_kl")
+    assert steps == [10] and mean == [pytest.approx(0.2)] and (lo, hi) == ([0.1], [pytest.approx(0.3)])
+    plot_metrics([], tmp_path / "empty.png")  # a run with nothing measured still draws (labelled panels)
+
+
+@pytest.mark.slow
+def test_experiment_smoke_writes_csv_and_png(tmp_path):
+    """EXPERIMENT_SMOKE=1 end to end: 2 SFT steps each (verl SFT trainer), the student's val eval (verl
+    val_only), one RL step per arm (one seed), metrics.csv, f1.png and the summary line."""
+    env = {**os.environ, "EXPERIMENT_SMOKE": "1", "PYTHONPATH": str(REPO)}
+    start = time.monotonic()
+    proc = subprocess.run(["bash", str(REPO / "recipes" / "experiment_cpu.sh"), "--root", str(tmp_path / "runs"),
+                           "--results", str(tmp_path / "results")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=2400)
+    wall = time.monotonic() - start
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = read_metrics(tmp_path / "results" / "metrics.csv")
+    for arm in ("memopd", "flat", "ppo"):
+        assert [r["step"] for r in rows if r["arm"] == arm and r["split"] == "train"] == [1], arm
+        assert {r["step"] for r in rows if r["arm"] == arm and r["split"] == "val"} == {0, 1}, arm
+    assert all(r["reverse_kl"] is not None and r["reverse_kl"] > 0
+               for r in rows if r["arm"] in ("memopd", "flat") and r["split"] == "train")
+    assert [r["step"] for r in rows if r["arm"] == "student" and r["split"] == "val"] == [2]
+    assert (tmp_path / "results" / "f1.png").read_bytes()[:4] == b"\x89PNG"
+    assert any(line.startswith("experiment seeds=0 steps=0 ") for line in proc.stdout.splitlines())  # no test evals
+    print(f"experiment smoke: wall {wall:.0f}s")
+
+
+def test_heavy_commands_are_bounded_after_the_lock(tmp_path, monkeypatch):
+    from verl_memopd.experiment.runner import heavy, heavy_wall_s, run_logged
+
+    monkeypatch.setenv("MEMOPD_HEAVY_LOCK", str(tmp_path / "heavy.lock"))
+    log = tmp_path / "run.log"
+    run_logged(heavy(["echo", "hello"], 30), log, dict(os.environ), None)
+    assert "hello" in log.read_text() and 0 <= heavy_wall_s(log) < 30
+    with pytest.raises(RuntimeError, match="exit status 124"):  # coreutils timeout's status
+        run_logged(heavy(["sleep", "30"], 1), log, dict(os.environ), None)

@@ -1,0 +1,79 @@
+"""CLI of the experiment.
+
+    python -m verl_memopd.experiment run [--root runs/cpu_tiny] [--results results/cpu_tiny] [--until STAGE|--only STAGE] [--arms a,b]
+        runs the stages in order, skipping finished ones (EXPERIMENT_SMOKE=1: the minutes-long smoke sizes);
+        a stage runs under a lock file, so a second process started with --only waits instead of clashing
+    python -m verl_memopd.experiment eval --role teacher|student --step N [--split val|test]
+        val F1 of one SFT checkpoint with verl's validation (also done by the eval stage)
+    python -m verl_memopd.experiment summary results/cpu_tiny/metrics.csv
+        the final test-split table; last line:
+        ``experiment seeds=<n> steps=<s> teacher_f1=<t> start_f1=<f0> memopd_f1=<a> flat_f1=<b> ppo_f1=<c>``
+    python -m verl_memopd.experiment plot results/cpu_tiny/metrics.csv [--out f1.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from verl_memopd.experiment.config import Paths, full_config, smoke_config
+from verl_memopd.experiment.pipeline import STAGES, run_pipeline
+
+
+def _config():
+    return smoke_config() if os.environ.get("EXPERIMENT_SMOKE", "0") == "1" else full_config()
+
+
+def _paths(args: argparse.Namespace, name: str) -> Paths:
+    return Paths(root=Path(args.root or f"runs/{name}").resolve(),
+                 results=Path(args.results or f"results/{name}").resolve())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m verl_memopd.experiment", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run the stages (skips finished ones)")
+    r.add_argument("--until", default=STAGES[-1], choices=STAGES)
+    r.add_argument("--only", default=None, choices=STAGES, help="run just this stage (its inputs must exist)")
+    r.add_argument("--arms", default=None, help="comma-separated subset of the arms (default: all of them)")
+    e = sub.add_parser("eval", help="F1 of one SFT checkpoint under the real agent loop")
+    e.add_argument("--role", required=True, choices=("teacher", "student"))
+    e.add_argument("--step", required=True, type=int)
+    e.add_argument("--split", default="val", choices=("val", "test"))
+    for p in (r, e):
+        p.add_argument("--root", default=None, help="big outputs (default runs/<name>)")
+        p.add_argument("--results", default=None, help="committed results (default results/<name>)")
+    s = sub.add_parser("summary", help="final test-split table from metrics.csv")
+    s.add_argument("csv")
+    pl = sub.add_parser("plot", help="f1.png from metrics.csv")
+    pl.add_argument("csv")
+    pl.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    cfg = _config()
+    if args.command == "run":
+        if args.arms:
+            cfg = replace(cfg, arms=replace(cfg.arms, arms=tuple(args.arms.split(","))))
+        run_pipeline(cfg, _paths(args, cfg.name), args.until, args.only)
+    elif args.command == "eval":
+        from verl_memopd.experiment.evaluate import eval_sft_checkpoint
+
+        print(eval_sft_checkpoint(cfg, _paths(args, cfg.name), args.role, args.step, args.split))
+    elif args.command == "summary":
+        from verl_memopd.experiment.report import read_metrics, summary_lines
+
+        print("\n".join(summary_lines(read_metrics(Path(args.csv)))))
+    else:
+        from verl_memopd.experiment.plot import plot_metrics
+        from verl_memopd.experiment.report import read_metrics
+
+        out = Path(args.out) if args.out else Path(args.csv).with_name("f1.png")
+        plot_metrics(read_metrics(Path(args.csv)), out)
+        print(f"plot -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

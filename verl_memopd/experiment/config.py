@@ -1,0 +1,157 @@
+"""Sizes, steps and paths of the CPU experiment (``recipes/experiment_cpu.sh``), full and smoke.
+
+Everything the stages read is here, so the full run and the smoke run (``EXPERIMENT_SMOKE=1``)
+differ only in the numbers below. Paths are fixed functions of the output folder: a stage is
+done when its output exists, so a rerun resumes where the last one stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+__all__ = ["SftConfig", "ArmsConfig", "ExperimentConfig", "ARMS", "full_config", "smoke_config", "Paths"]
+
+#: arm name -> Hydra overrides on top of the shared arm command (everything else matched)
+ARMS: dict[str, tuple[str, ...]] = {
+    "memopd": ("memopd.teacher.state=aligned", "memopd.layout=packed"),
+    "flat": ("memopd.teacher.state=flat", "memopd.layout=packed"),
+    "ppo": ("memopd.distill.coef=0",),
+}
+
+
+@dataclass(frozen=True)
+class SftConfig:
+    """One run of verl's SFT trainer (``verl.trainer.sft_trainer``) on the oracle's calls.
+
+    ``steps`` optimizer steps of ``batch`` rows (one row = one agent call), lr warmed up over
+    ``warmup_steps`` then cosine-decayed to ``min_lr_ratio * lr``; a checkpoint (verl format plus
+    a Hugging Face export) and a validation loss every ``save_every`` steps.
+    """
+
+    steps: int
+    batch: int
+    lr: float
+    save_every: int
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch < 1 or self.save_every < 1:
+            raise ValueError(f"SftConfig: steps, batch and save_every must be >= 1, got {self}")
+        if self.steps % self.save_every:
+            raise ValueError(f"SftConfig: steps={self.steps} must be a multiple of save_every={self.save_every} "
+                             "(the final model is a saved checkpoint)")
+
+
+@dataclass(frozen=True)
+class ArmsConfig:
+    """The matched RL arms: same data order, rollout seeds, steps, batch, lr, alpha, beta for each."""
+
+    steps: int
+    val_every: int
+    episodes_per_step: int
+    samples_per_episode: int
+    lr: float
+    seeds: tuple[int, ...]
+    arms: tuple[str, ...] = tuple(ARMS)
+
+    def __post_init__(self) -> None:
+        unknown = [a for a in self.arms if a not in ARMS]
+        if unknown:
+            raise ValueError(f"ArmsConfig.arms: unknown {unknown}; valid: {sorted(ARMS)}")
+        if self.steps % self.val_every:
+            raise ValueError(f"ArmsConfig: steps={self.steps} must be a multiple of val_every={self.val_every}")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """The whole experiment; ``n_train`` fresh episodes feed the SFT data and the RL arms."""
+
+    name: str
+    data_seed: int
+    n_train: int
+    n_val: int
+    n_test: int
+    teacher_sft: SftConfig
+    student_sft: SftConfig
+    arms: ArmsConfig
+    #: student SFT steps evaluated on val; the RL start is the latest one with val F1 in the band
+    student_eval_steps: tuple[int, ...] = ()
+    #: (low, high) val F1 the RL start must have; None = take the last evaluated step (smoke)
+    student_f1_band: tuple[float, float] | None = (0.05, 0.5)
+    #: the teacher's val F1 aim (a warning, not a failure: the report shows what was reached)
+    teacher_f1_target: float = 0.8
+    #: evaluate the teacher's final checkpoint (val) and every model of the table on the test split;
+    #: False only in the smoke run (CI time), which keeps the student's val evals and the arms' own validation
+    final_evals: bool = True
+    #: per-command bound (seconds) for one eval or one arm; a hung verl run cannot stall the pipeline
+    timeout_s: int = 5400
+
+    def __post_init__(self) -> None:
+        saved = range(self.student_sft.save_every, self.student_sft.steps + 1, self.student_sft.save_every)
+        missing = [s for s in self.student_eval_steps if s not in saved]
+        if not self.student_eval_steps or missing:
+            raise ValueError(f"student_eval_steps={self.student_eval_steps}: each must be a saved SFT step "
+                             f"(multiples of {self.student_sft.save_every} up to {self.student_sft.steps})")
+
+
+def full_config() -> ExperimentConfig:
+    """The measured experiment: a 4-layer/256 teacher SFT'd on ~2k steps of fresh calls, a 2-layer/128
+    student after a short SFT, 3 arms x 3 seeds of RL from that student (sizes: CPU_NOTES.md probe)."""
+    return ExperimentConfig(
+        name="cpu_tiny", data_seed=0, n_train=16384, n_val=64, n_test=64,
+        teacher_sft=SftConfig(steps=2000, batch=32, lr=1e-3, save_every=250, warmup_steps=40),
+        student_sft=SftConfig(steps=300, batch=32, lr=1e-3, save_every=50), student_eval_steps=(100, 200, 300),
+        arms=ArmsConfig(steps=30, val_every=10, episodes_per_step=4, samples_per_episode=2, lr=1e-5,
+                        seeds=(0, 1, 2)),
+    )
+
+
+def smoke_config() -> ExperimentConfig:
+    """Minutes, for CI: a few SFT steps, one RL step per arm, one seed; checks the plumbing only."""
+    full = full_config()
+    return replace(
+        full, name="cpu_tiny_smoke", n_train=64, n_val=4, n_test=4, timeout_s=900,
+        teacher_sft=SftConfig(steps=2, batch=4, lr=1e-3, save_every=2, warmup_steps=0),
+        student_sft=SftConfig(steps=2, batch=4, lr=1e-3, save_every=2, warmup_steps=0), student_eval_steps=(2,),
+        student_f1_band=None, final_evals=False,
+        arms=replace(full.arms, steps=1, val_every=1, episodes_per_step=2, seeds=(0,)),
+    )
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where each stage writes, under ``root`` (big, gitignored) and ``results`` (small, committed)."""
+
+    root: Path
+    results: Path
+
+    @property
+    def models(self) -> Path:
+        return self.root / "models"
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def sft_data(self) -> Path:
+        return self.root / "sft_data"
+
+    def sft(self, role: str) -> Path:
+        return self.root / "sft" / role
+
+    def evals(self) -> Path:
+        return self.root / "eval"
+
+    def arm(self, arm: str, seed: int) -> Path:
+        return self.root / "arms" / f"{arm}_seed{seed}"
+
+    @property
+    def metrics_csv(self) -> Path:
+        return self.results / "metrics.csv"
+
+    @property
+    def plot(self) -> Path:
+        return self.results / "f1.png"

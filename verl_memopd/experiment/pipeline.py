@@ -1,0 +1,114 @@
+"""The experiment's stages, in order; each is skipped when its output exists.
+
+    models        tokenizer + tiny student (2L/128) and teacher (4L/256), random init    models/tiny.json
+    data          fresh episodes (train/val/test) + the oracle's calls as SFT chat rows   sft_data/train.parquet
+    sft_student   short SFT of the student (verl SFT trainer)                            sft/student/DONE.json
+    sft_teacher   long SFT of the teacher (verl SFT trainer)                             sft/teacher/DONE.json
+    eval          val F1 of SFT checkpoints (verl val_only, real agent loop), test F1     eval/*.json
+                  of the chosen ones; picks the student checkpoint
+    arms          memopd / flat / ppo x seeds of RL from the student, val F1 every K     arms/<arm>_seed<s>/DONE.json
+                  steps, test F1 at the end
+    report        results/<name>/metrics.csv (from every stage's outputs) and f1.png     always rerun
+
+The student's SFT runs before the teacher's: it is short, and its checkpoints can be evaluated
+while the teacher trains. verl runs its checkpoints itself (``trainer.resume_mode=auto``), so a
+stage that died mid-way resumes from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from verl_memopd.experiment.config import ExperimentConfig, Paths
+from verl_memopd.experiment.runner import cpu_env, run_checked
+
+__all__ = ["STAGES", "run_pipeline"]
+
+STAGES = ("models", "data", "sft_student", "sft_teacher", "eval", "arms", "report")
+
+
+def _say(msg: str) -> None:
+    print(f"[experiment {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def stage_models(cfg: ExperimentConfig, paths: Paths) -> None:
+    if (paths.models / "tiny.json").is_file():
+        return _say(f"models: done ({paths.models})")
+    _say("models: tokenizer + student + teacher (ETA ~10 s)")
+    run_checked([sys.executable, "-m", "verl_memopd.tiny", "--out", str(paths.models), "--seed", "0"])
+
+
+def stage_data(cfg: ExperimentConfig, paths: Paths) -> None:
+    from verl_memopd.experiment.sft import build_sft_data
+
+    if (paths.sft_data / "train.parquet").is_file():
+        return _say(f"data: done ({paths.data}, {paths.sft_data})")
+    _say(f"data: {cfg.n_train}/{cfg.n_val}/{cfg.n_test} episodes + oracle traces (ETA ~{5 + cfg.n_train // 1000} s)")
+    run_checked([sys.executable, "-m", "verl_memopd.tasks", "build", "--out", str(paths.data), "--preset", "tiny",
+                 "--seed", str(cfg.data_seed), "--n-train", str(cfg.n_train), "--n-val", str(cfg.n_val),
+                 "--n-test", str(cfg.n_test)])
+    build_sft_data(paths.data, paths.sft_data)
+
+
+def _stage_sft(role: str, cfg: ExperimentConfig, paths: Paths) -> None:
+    from verl_memopd.experiment.sft import run_sft
+
+    run_dir = paths.sft(role)
+    if (run_dir / "DONE.json").is_file():
+        return _say(f"sft_{role}: done ({json.loads((run_dir / 'DONE.json').read_text())['hf']})")
+    sft = cfg.teacher_sft if role == "teacher" else cfg.student_sft
+    per_step_s = 3.0 if role == "teacher" else 1.2  # alone on 2 cores (CPU_NOTES.md probe); x3 when shared
+    _say(f"sft_{role}: {sft.steps} steps x {sft.batch} calls, lr {sft.lr}, checkpoint every {sft.save_every} "
+         f"(ETA ~{sft.steps * per_step_s / 60:.0f} min alone; progress: tail -f {run_dir / 'sft.log'})")
+    hf = run_sft(paths.models / role, paths.sft_data, run_dir, sft, f"sft_{role}", cpu_env(paths.root))
+    _say(f"sft_{role}: done -> {hf}")
+
+
+def _later(module: str, function: str):
+    """A stage function imported when it runs (plotting and verl launch code load only if needed)."""
+    def stage(cfg: ExperimentConfig, paths: Paths) -> None:
+        import importlib
+
+        getattr(importlib.import_module(f"verl_memopd.experiment.{module}"), function)(cfg, paths)
+
+    return stage
+
+
+@contextmanager
+def _stage_lock(paths: Paths, name: str):
+    """Hold ``locks/<stage>.lock`` while a stage runs: a second pipeline (e.g. ``--only sft_teacher`` started
+    by hand next to a full run) waits, then finds the stage done and skips it."""
+    lock_dir = paths.root / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / f"{name}.lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"{name}: another process is running this stage; waiting for it")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def run_pipeline(cfg: ExperimentConfig, paths: Paths, until: str = STAGES[-1], only: str | None = None) -> None:
+    """Run every stage up to and including ``until`` (or just ``only``), skipping finished ones."""
+    for stage in (until, only):
+        if stage is not None and stage not in STAGES:
+            raise ValueError(f"stage {stage!r}; valid: {STAGES}")
+    steps = {
+        "models": stage_models, "data": stage_data,
+        "sft_student": lambda c, p: _stage_sft("student", c, p),
+        "sft_teacher": lambda c, p: _stage_sft("teacher", c, p),
+        "eval": _later("evaluate", "stage_eval"), "arms": _later("arms", "stage_arms"),
+        "report": _later("report", "stage_report"),
+    }
+    paths.root.mkdir(parents=True, exist_ok=True)
+    for name in [only] if only else STAGES[: STAGES.index(until) + 1]:
+        start = time.monotonic()
+        with _stage_lock(paths, name):
+            steps[name](cfg, paths)
+        _say(f"stage {name}: {time.monotonic() - start:.0f}s")

@@ -1,0 +1,91 @@
+"""``f1.png`` from ``metrics.csv`` rows (matplotlib, no display needed).
+
+Three panels:
+  1. SFT: val F1 of the teacher's and the student's SFT checkpoints vs SFT step;
+  2. RL: val F1 vs step, one line per arm (mean over seeds, min-max band), the teacher's F1 and the
+     student's start as horizontal references;
+  3. per-call reverse KL to the teacher vs step for MemOPD and the persistent-history control.
+A panel with no data yet says so (a partial run still produces the picture).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+__all__ = ["band", "plot_metrics"]
+
+COLORS = {"memopd": "tab:blue", "flat": "tab:orange", "ppo": "tab:green", "teacher": "black", "student": "tab:gray"}
+
+
+def band(rows: list[dict], arm: str, split: str, key: str) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps and the (mean, min, max) of ``key`` over seeds at each step (steps where some seed has a value)."""
+    by_step: dict[int, list[float]] = defaultdict(list)
+    for r in rows:
+        if r["arm"] == arm and r["split"] == split and r[key] is not None:
+            by_step[r["step"]].append(r[key])
+    steps = sorted(by_step)
+    return (steps, [sum(by_step[s]) / len(by_step[s]) for s in steps], [min(by_step[s]) for s in steps],
+            [max(by_step[s]) for s in steps])
+
+
+def _reference(rows: list[dict], role: str) -> float | None:
+    """Val F1 of the SFT checkpoint the experiment uses: the one that also has a test row (the teacher's
+    final checkpoint, the chosen student)."""
+    tested = {r["step"] for r in rows if r["arm"] == role and r["split"] == "test"}
+    vals = [r["f1"] for r in rows if r["arm"] == role and r["split"] == "val" and r["step"] in tested]
+    return vals[0] if vals else None
+
+
+def _empty(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"{what}: not measured yet", ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def plot_metrics(rows: list[dict], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_sft, ax_f1, ax_kl) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for role in ("teacher", "student"):
+        steps, mean, _, _ = band(rows, role, "val", "f1")
+        if steps:
+            ax_sft.plot(steps, mean, "o-", color=COLORS[role], label=f"{role} SFT")
+    ax_sft.set(title="SFT checkpoints (verl val_only, greedy)", xlabel="SFT step", ylabel="val F1", ylim=(0, 1))
+    if ax_sft.lines:
+        ax_sft.legend()
+    else:
+        _empty(ax_sft, "SFT val F1")
+
+    for arm in ("memopd", "flat", "ppo"):
+        steps, mean, lo, hi = band(rows, arm, "val", "f1")
+        if steps:
+            ax_f1.plot(steps, mean, "o-", color=COLORS[arm], label=arm)
+            ax_f1.fill_between(steps, lo, hi, color=COLORS[arm], alpha=0.2)
+    for role, style in (("teacher", "--"), ("student", ":")):
+        ref = _reference(rows, role)
+        if ref is not None:
+            ax_f1.axhline(ref, linestyle=style, color=COLORS[role], label=f"{role} (SFT) {ref:.2f}")
+    ax_f1.set(title="RL arms: val F1 (mean, min-max over seeds)", xlabel="RL step", ylabel="val F1", ylim=(0, 1))
+    if not any(band(rows, a, "val", "f1")[0] for a in ("memopd", "flat", "ppo")):
+        _empty(ax_f1, "RL arms")
+    if ax_f1.lines:
+        ax_f1.legend(fontsize=8)
+
+    for arm in ("memopd", "flat"):
+        steps, mean, lo, hi = band(rows, arm, "train", "reverse_kl")
+        if steps:
+            ax_kl.plot(steps, mean, "-", color=COLORS[arm], label=arm)
+            ax_kl.fill_between(steps, lo, hi, color=COLORS[arm], alpha=0.2)
+    ax_kl.set(title="per-call reverse KL to the teacher", xlabel="RL step", ylabel="reverse KL (nats/token)")
+    if ax_kl.lines:
+        ax_kl.legend()
+    else:
+        _empty(ax_kl, "reverse KL")
+
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out

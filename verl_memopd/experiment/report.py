@@ -1,0 +1,145 @@
+"""``metrics.csv`` from every stage's outputs, the summary table, and the report stage.
+
+The CSV is rebuilt from scratch each time (eval JSONs, arm logs), so a resumed run never holds
+duplicates. One row per (arm, seed, step, split):
+
+    arm      teacher | student (SFT checkpoints; step = SFT step) | memopd | flat | ppo (RL; step = RL step)
+    split    val | test: F1/EM of verl's greedy validation (the real agent loop) on that split;
+             train: one RL step (f1 = mean F1 of the step's sampled episodes, ``critic/score/mean``)
+    reverse_kl                    actor/memopd/reverse_kl of the step (train rows; empty for ppo)
+    teacher_aligned_vs_flat_kl    actor/memopd/audit/teacher_aligned_vs_flat_kl (audited train rows)
+    wall_s   train/val rows: training seconds so far (sum of timing_s/step); test and SFT-eval rows:
+             wall seconds of the eval (test rows of arms: of the whole arm run, startup included)
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from pathlib import Path
+
+from verl_memopd.experiment.config import ARMS, ExperimentConfig, Paths
+from verl_memopd.experiment.launch import parse_steps, read_log, val_scores
+
+__all__ = ["COLUMNS", "collect_rows", "write_metrics", "read_metrics", "summary_lines", "stage_report"]
+
+COLUMNS = ("arm", "seed", "step", "split", "f1", "em", "reverse_kl", "teacher_aligned_vs_flat_kl", "wall_s")
+Row = dict
+
+
+def _row(arm: str, seed: int, step: int, split: str, f1=None, em=None, reverse_kl=None, flat_kl=None,
+         wall_s=None) -> Row:
+    return {"arm": arm, "seed": seed, "step": step, "split": split, "f1": f1, "em": em, "reverse_kl": reverse_kl,
+            "teacher_aligned_vs_flat_kl": flat_kl, "wall_s": wall_s}
+
+
+def _sft_rows(paths: Paths) -> list[Row]:
+    rows = []
+    for path in sorted(paths.evals().glob("*_step*_*.json")):
+        r = json.loads(path.read_text())
+        rows.append(_row(r["role"], 0, r["step"], r["split"], r["f1"], r["em"], wall_s=r["wall_s"]))
+    return rows
+
+
+def _arm_rows(arm: str, seed: int, run_dir: Path) -> list[Row]:
+    steps = parse_steps(read_log(run_dir / "main_ppo.log"))
+    rows, wall = [], 0.0
+    for step in sorted(steps):
+        m = steps[step]
+        if step > 0 and "timing_s/step" in m:
+            wall += m["timing_s/step"]
+            rows.append(_row(arm, seed, step, "train", m.get("critic/score/mean"), None,
+                             m.get("actor/memopd/reverse_kl"), m.get("actor/memopd/audit/teacher_aligned_vs_flat_kl"),
+                             round(wall, 1)))
+        scores = val_scores(m)
+        if scores:
+            rows.append(_row(arm, seed, step, "val", scores["f1"], scores["em"], wall_s=round(wall, 1)))
+    if (run_dir / "test.json").is_file():
+        t = json.loads((run_dir / "test.json").read_text())
+        done = json.loads((run_dir / "DONE.json").read_text()) if (run_dir / "DONE.json").is_file() else {}
+        rows.append(_row(arm, seed, t["step"], "test", t["f1"], t["em"], wall_s=done.get("wall_s")))
+    return rows
+
+
+def collect_rows(cfg: ExperimentConfig, paths: Paths) -> list[Row]:
+    rows = _sft_rows(paths)
+    for seed in cfg.arms.seeds:
+        for arm in cfg.arms.arms:
+            rows += _arm_rows(arm, seed, paths.arm(arm, seed))
+    return rows
+
+
+def write_metrics(rows: list[Row], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r[k] is None else (f"{r[k]:.6g}" if isinstance(r[k], float) else r[k]))
+                        for k in COLUMNS})
+
+
+def read_metrics(path: Path) -> list[Row]:
+    """The CSV back as rows with numbers (empty cells -> None); checks the header."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if tuple(reader.fieldnames or ()) != COLUMNS:
+            raise ValueError(f"{path}: columns {reader.fieldnames}, expected {list(COLUMNS)}")
+        rows = []
+        for r in reader:
+            out = {"arm": r["arm"], "split": r["split"], "seed": int(r["seed"]), "step": int(r["step"])}
+            for k in COLUMNS[4:]:
+                out[k] = float(r[k]) if r[k] != "" else None
+            rows.append(out)
+    return rows
+
+
+def _final(rows: list[Row], arm: str, split: str) -> dict[int, Row]:
+    """Per seed, the row of ``arm`` on ``split`` at the largest step."""
+    out: dict[int, Row] = {}
+    for r in rows:
+        if r["arm"] == arm and r["split"] == split and (r["seed"] not in out or r["step"] > out[r["seed"]]["step"]):
+            out[r["seed"]] = r
+    return out
+
+
+def _fmt(x: float | None) -> str:
+    return "na" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"
+
+
+def summary_lines(rows: list[Row]) -> list[str]:
+    """The final test-split table; the last line is the machine-readable ``experiment ...`` line."""
+    teacher, student = _final(rows, "teacher", "test"), _final(rows, "student", "test")
+    lines = [f"{'arm':8} {'seeds':>5} {'steps':>5} {'test F1 mean':>12} {'std':>7} {'test EM':>8} {'wall_s/seed':>11}"]
+    means, seeds, steps = {}, set(), set()
+    for arm in ARMS:
+        final = _final(rows, arm, "test")
+        f1s = [r["f1"] for r in final.values()]
+        means[arm] = statistics.fmean(f1s) if f1s else None
+        seeds |= set(final)
+        steps |= {r["step"] for r in final.values()}
+        std = statistics.stdev(f1s) if len(f1s) > 1 else 0.0 if f1s else None
+        walls = [r["wall_s"] for r in final.values() if r["wall_s"] is not None]
+        ems = [r["em"] for r in final.values()]
+        lines.append(f"{arm:8} {len(final):>5} {max((r['step'] for r in final.values()), default=0):>5} "
+                     f"{_fmt(means[arm]):>12} {_fmt(std):>7} {_fmt(statistics.fmean(ems) if ems else None):>8} "
+                     f"{(f'{statistics.fmean(walls):.0f}' if walls else 'na'):>11}")
+    t = teacher[max(teacher)]["f1"] if teacher else None
+    f0 = student[max(student)]["f1"] if student else None
+    lines.append(f"teacher (SFT) test F1 {_fmt(t)}; student start (SFT) test F1 {_fmt(f0)}")
+    lines.append(f"experiment seeds={len(seeds)} steps={max(steps, default=0)} teacher_f1={_fmt(t)} "
+                 f"start_f1={_fmt(f0)} memopd_f1={_fmt(means['memopd'])} flat_f1={_fmt(means['flat'])} "
+                 f"ppo_f1={_fmt(means['ppo'])}")
+    return lines
+
+
+def stage_report(cfg: ExperimentConfig, paths: Paths) -> None:
+    from verl_memopd.experiment.plot import plot_metrics
+
+    write_metrics(collect_rows(cfg, paths), paths.metrics_csv)
+    rows = read_metrics(paths.metrics_csv)
+    plot_metrics(rows, paths.plot)
+    print(f"[experiment] report: {paths.metrics_csv} ({len(rows)} rows), {paths.plot}")
+    print("\n".join(summary_lines(rows)), flush=True)

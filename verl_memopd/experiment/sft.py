@@ -1,0 +1,132 @@
+"""SFT stages: the oracle's calls as chat rows, trained with verl's own SFT trainer on the cpu platform.
+
+Data: ``python -m verl_memopd.tasks oracle SPLIT.parquet --traces OUT.parquet`` writes one row per
+agent call (``messages`` = the task's questions, the call's message, the oracle's reply), the exact
+state the agent sees; verl's ``MultiTurnSFTDataset`` puts the loss on the assistant turn only.
+
+Training: ``torchrun -m verl.trainer.sft_trainer`` (the ``cpu`` platform of the plugin supplies the
+gloo process group, ``platform/patches.py``). ``trainer.resume_mode=auto``: a rerun continues from
+the newest checkpoint in the run folder. The stage is done when ``DONE.json`` names the final
+Hugging Face export.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+from verl_memopd.experiment.config import SftConfig
+from verl_memopd.experiment.runner import run_logged
+
+__all__ = ["build_sft_data", "sft_command", "run_sft", "fp32_export", "hf_export", "saved_steps", "sft_losses"]
+
+#: the overrides that make verl's SFT trainer run (and run fast) on CPU; see shared CPU_NOTES.md
+CPU_SFT_OVERRIDES = (
+    "trainer.device=cpu",
+    "engine.strategy=fsdp2",
+    "engine.use_torch_compile=false",
+    "+engine.mixed_precision.param_dtype=fp32",   # engine.dtype alone keeps bf16 params + autocast: ~15x slower
+    "+model.override_config.attn_implementation=sdpa",
+    "model.use_remove_padding=false",
+    "model.enable_gradient_checkpointing=false",
+    "data.num_workers=0",
+    "data.max_length=512",
+    "data.truncation=error",
+    "checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+    "trainer.logger=[console]",
+    "trainer.resume_mode=auto",
+)
+
+
+def build_sft_data(data_dir: Path, out_dir: Path) -> None:
+    """Oracle traces of ``data_dir/{train,val}.parquet`` -> ``out_dir/{train,val}.parquet`` (chat rows)."""
+    from verl_memopd.experiment.runner import run_checked
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for split in ("val", "train"):  # train last: its file marks the stage done
+        run_checked([sys.executable, "-m", "verl_memopd.tasks", "oracle", str(data_dir / f"{split}.parquet"),
+                     "--traces", str(out_dir / f"{split}.parquet")])
+
+
+def sft_command(model: Path, sft_data: Path, run_dir: Path, cfg: SftConfig, name: str) -> list[str]:
+    """The torchrun command line of one SFT run (1 process on the cpu platform)."""
+    return [
+        "torchrun", "--standalone", "--nnodes=1", "--nproc_per_node=1", "-m", "verl.trainer.sft_trainer",
+        f"model.path={model}",
+        f"data.train_files={sft_data / 'train.parquet'}", f"data.val_files={sft_data / 'val.parquet'}",
+        "data.messages_key=messages", f"data.train_batch_size={cfg.batch}",
+        f"data.micro_batch_size_per_gpu={cfg.batch}",
+        f"optim.lr={cfg.lr}", "optim.lr_scheduler_type=cosine", f"optim.lr_warmup_steps={cfg.warmup_steps}",
+        f"optim.min_lr_ratio={cfg.min_lr_ratio}",
+        f"trainer.total_training_steps={cfg.steps}", "trainer.total_epochs=1000",
+        f"trainer.save_freq={cfg.save_every}", f"trainer.test_freq={cfg.save_every}",
+        f"trainer.default_local_dir={run_dir / 'checkpoints'}",
+        "trainer.project_name=memopd_experiment", f"trainer.experiment_name={name}",
+        *CPU_SFT_OVERRIDES,
+    ]
+
+
+def fp32_export(hf: Path) -> Path:
+    """``hf`` (a Hugging Face folder verl exported from fp32 weights) with its config's dtype said as fp32.
+
+    verl 0.9.1 writes ``"dtype": "bfloat16"`` into the exported config although the weights are fp32;
+    vLLM and transformers would then load (or cast) them as bf16.
+    """
+    config_path = hf / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path}: no Hugging Face export there (checkpoint save_contents must "
+                                "include hf_model)")
+    config = json.loads(config_path.read_text())
+    if config.get("dtype") != "float32" or config.get("torch_dtype", "float32") != "float32":
+        config["dtype"] = "float32"
+        config.pop("torch_dtype", None)
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
+    return hf
+
+
+def hf_export(run_dir: Path, step: int) -> Path:
+    """The Hugging Face folder verl's SFT trainer exported at ``step`` (fp32 config, see :func:`fp32_export`)."""
+    return fp32_export(run_dir / "checkpoints" / f"global_step_{step}" / "huggingface")
+
+
+def saved_steps(run_dir: Path) -> list[int]:
+    """Steps with a checkpoint folder, ascending."""
+    ckpt = run_dir / "checkpoints"
+    return sorted(int(p.name.rsplit("_", 1)[1]) for p in ckpt.glob("global_step_*") if p.is_dir())
+
+
+def sft_losses(log: str) -> dict[int, dict[str, float]]:
+    """``{step: {"train/loss": x, "val/loss": y}}`` from verl's console lines (``step:N - key:value - ...``)."""
+    out: dict[int, dict[str, float]] = {}
+    for line in log.splitlines():
+        m = re.search(r"step:(\d+) - (.*)$", line)  # may follow a tqdm bar on the same line
+        if not m:
+            continue
+        for item in m.group(2).split(" - "):
+            key, _, value = item.partition(":")
+            if key.strip() in ("train/loss", "val/loss"):
+                try:
+                    out.setdefault(int(m.group(1)), {})[key.strip()] = float(value)
+                except ValueError:
+                    pass
+    return out
+
+
+def run_sft(model: Path, sft_data: Path, run_dir: Path, cfg: SftConfig, name: str, env: dict[str, str]) -> Path:
+    """Run (or resume) one SFT; write ``run_dir/DONE.json`` and return the final HF export.
+
+    Not time-bounded: one torchrun process without Ray, whose step time depends on the machine's load
+    (0.8-30 s/step measured here); it checkpoints every ``save_every`` steps, so stopping it loses little.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    wall = run_logged(sft_command(model, sft_data, run_dir, cfg, name), run_dir / "sft.log", env, None)
+    if cfg.steps not in saved_steps(run_dir):
+        raise RuntimeError(f"{name}: verl's SFT trainer ended without a checkpoint at step {cfg.steps}; "
+                           f"see {run_dir / 'sft.log'}")
+    hf = hf_export(run_dir, cfg.steps)
+    losses = sft_losses((run_dir / "sft.log").read_text(errors="replace"))
+    (run_dir / "DONE.json").write_text(json.dumps({"steps": cfg.steps, "hf": str(hf), "wall_s": wall,
+                                                   "losses": losses}, indent=1) + "\n")
+    return hf
