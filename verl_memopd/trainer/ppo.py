@@ -144,7 +144,7 @@ class MemopdTrainer(PPOTrainerSync):
     # --- one step ---------------------------------------------------------------------------
     def _compute_old_log_prob(self, batch, metrics):
         with marked_timer("memopd_layout", self.timing_raw, color="white"):
-            metrics.update(restore_layout(batch, self.memopd.layout))
+            metrics.update(restore_layout(batch, self.memopd.layout, self.memopd.share_prefix_across_group))
         audit = self.memopd.audits_at(self.global_steps)
         rce = audit and self.memopd.audit.rce
         if rce:
@@ -163,7 +163,7 @@ class MemopdTrainer(PPOTrainerSync):
                 with marked_timer("memopd_audit_teacher_flat", self.timing_raw, color="purple"):
                     restore_layout(batch, "flat")
                     self._score_with_teacher(batch, output_key=TEACHER_HIDDEN_FLAT)
-                    restore_layout(batch, self.memopd.layout)
+                    restore_layout(batch, self.memopd.layout, self.memopd.share_prefix_across_group)
         return batch
 
     def _score_with_teacher(self, batch, output_key=None):
