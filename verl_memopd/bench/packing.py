@@ -9,7 +9,8 @@ call block, 4-6 calls (``SHAPE``); ``--calls T`` fixes the number of calls, ``--
 ``memopd.share_prefix_across_group``). One actor step = forward of the whole batch,
 full-vocabulary log-probs at the action tokens, backward of their sum; one teacher step = the
 forward alone (no gradients), final hidden states at the action tokens. Variants are timed
-round-robin (warm-up rounds, then the median of timed rounds), single-threaded by default::
+round-robin (warm-up rounds, then the median of timed rounds), single-threaded by default, in
+process CPU time on CPU (wall time on an accelerator)::
 
     python -m verl_memopd.bench packing [--group-size 8 --q-ratio 2 --calls 2]
     ...
@@ -120,6 +121,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _clock(device: torch.device) -> float:
+    """CPU time of this process on CPU (a shared machine's load swings wall time by several x; the
+    process's own CPU time hardly moves), wall time on an accelerator."""
+    return time.process_time() if device.type == "cpu" else time.perf_counter()
+
+
 def _hidden(model: torch.nn.Module, stream: Stream) -> torch.Tensor:
     """Final post-norm hidden states at the predicting positions: (A, H)."""
     device = model.get_input_embeddings().weight.device
@@ -131,14 +138,14 @@ def _hidden(model: torch.nn.Module, stream: Stream) -> torch.Tensor:
 
 
 def _step(model: torch.nn.Module, layout: Union[BatchLayout, Stream], impl: str, backward: bool = True) -> float:
-    """Wall time of one forward + full-vocabulary action log-probs + backward under ``impl``, or
+    """Time (``_clock``) of one forward + full-vocabulary action log-probs + backward under ``impl``, or
     (``backward=False``) of the teacher's forward to the action positions' hidden states, without gradients."""
     stream = layout if isinstance(layout, Stream) else Stream.of(layout)
     device = model.get_input_embeddings().weight.device
     with attention_implementation(model, impl):
         model.zero_grad(set_to_none=True)
         _sync(device)
-        start = time.perf_counter()
+        start = _clock(device)
         if backward:
             logits = model.get_output_embeddings()(_hidden(model, stream)).float()
             logprobs = torch.log_softmax(logits, -1).gather(1, stream.action_ids.to(device).unsqueeze(1))
@@ -147,7 +154,7 @@ def _step(model: torch.nn.Module, layout: Union[BatchLayout, Stream], impl: str,
             with torch.no_grad():
                 _hidden(model, stream)
         _sync(device)
-    return time.perf_counter() - start
+    return _clock(device) - start
 
 
 def step_seconds(model: torch.nn.Module, variants: dict[str, tuple[Union[BatchLayout, Stream], str]], warmup: int,
