@@ -103,7 +103,7 @@ def restore_layout(batch, layout: str, share_prefix: bool = False) -> dict[str, 
     may compute their common ``q`` once (``memopd.share_prefix_across_group``; packed layout)."""
     data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                            select_fields=["prompts", "responses", "extra_fields"])
-    rows, lengths = [], []
+    rows, lengths, prompts = [], [], {}
     groups = prompt_groups(list(batch.keys), share_prefix and layout == "packed")
     for key, tag, group, prompt, response, extra in zip(batch.keys, batch.tags, groups, data["prompts"].unbind(),
                                                         data["responses"].unbind(), data["extra_fields"]):
@@ -113,5 +113,11 @@ def restore_layout(batch, layout: str, share_prefix: bool = False) -> dict[str, 
             continue
         rows.append(layout_fields(p, r, extra, layout, f"row {key}") | {PROMPT_GROUP: torch.tensor(group)})
         lengths.append((p + r, extra))
+        if group >= 0:
+            prompts.setdefault((group, tuple(prompt.tolist())), []).append(p)
     tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=list_of_dict_to_tensordict(rows))
-    return sharing_metrics(lengths)
+    metrics = sharing_metrics(lengths)
+    if share_prefix and layout == "packed":  # an upper bound: a group split across micro-batches shares less
+        shared = sum(sum(ps[1:]) for ps in prompts.values())
+        metrics["memopd/group_prefix_tokens_saved"] = shared / max(1, sum(n for n, _ in lengths))
+    return metrics
