@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from verl_memopd.bench import __main__ as bench
-from verl_memopd.bench.packing import layout_work
+from verl_memopd.bench.packing import group_stream, grouped_episodes, layout_work
 from verl_memopd.packing import build_layout
 from verl_memopd.rce import EpisodeShape, random_episodes
 from verl_memopd.tiny import teacher_config
@@ -44,3 +44,24 @@ def test_packing_benchmark_ends_with_the_issue_line(capsys):
     m = re.fullmatch(r"packing speedup_vs_per_call=(\S+) ideal=(\S+) efficiency=(\S+)", last)
     x, y, efficiency = (float(g) for g in m.groups())
     assert y > 1 and efficiency == pytest.approx(x / y, abs=3e-3)  # values printed with 3 decimals
+
+
+def test_group_shape_flags_share_q_and_keep_the_last_line(capsys):
+    threads = str(torch.get_num_threads())
+    assert bench.main(["packing", "--group-size", "2", "--q-ratio", "1.5", "--calls", "2", "--episodes", "2",
+                       "--warmup", "0", "--repeats", "1", "--threads", threads]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "groups of 2 sharing q, 2.0 calls each" in lines[0] and "1.50x mean block" in lines[0]
+    assert re.fullmatch(r"packing speedup_vs_per_call=\S+ ideal=\S+ efficiency=\S+", lines[-1])
+
+
+def test_grouped_episodes_share_one_prompt_and_the_group_stream_stores_it_once():
+    eps = grouped_episodes(random_episodes(4, 64, 2, EpisodeShape(prefix_len=(3, 9), chunk_len=(1, 5))), 2, 10, 0, 64)
+    assert [ep.uid for ep in eps] == ["group-0", "group-0", "group-1", "group-1"]
+    assert eps[0].prefix_ids == eps[1].prefix_ids != eps[2].prefix_ids and len(eps[3].prefix_ids) == 10
+    assert all(inv.prompt_ids[:10] == ep.prefix_ids for ep in eps for inv in ep.invocations)
+    layout = build_layout("packed", eps)
+    stream = group_stream(eps, layout)
+    assert stream.input_ids.numel() == layout.input_ids.numel() - 2 * 10
+    assert torch.equal(stream.input_ids.reshape(-1)[stream.predictors], layout.input_ids.reshape(-1)[layout.action_index])
+    assert layout_work(stream, CONFIG) < layout_work(layout, CONFIG)

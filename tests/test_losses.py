@@ -176,3 +176,17 @@ def test_bad_inputs_name_the_problem():
         divergence_loss(div, student, HiddenTarget(ht, wt, V - 1), weights, temp)
     with pytest.raises(ValueError, match="chunk sizes must be >= 1"):
         Chunking(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_gradient_is_one_buffer_in_the_heads_dtype_adopted_as_its_grad(dtype):
+    """The only (V_rows, H) memory is the head's gradient itself: formed in the head's dtype and handed
+    to autograd, which adopts it as ``.grad`` without a copy (a still-referenced gradient would be cloned)."""
+    hs, ws, ht, wt, temp, weights = _case(seed=4)
+    hs, ws = (t.detach().to(dtype).requires_grad_() for t in (hs, ws))
+    seen = []
+    ws.register_hook(lambda g: seen.append((g.data_ptr(), g.dtype)))  # keeps no reference to g
+    div = get_divergence("reverse_kl")
+    res = divergence_loss(div, StudentLogits(V, hidden=hs, head_weight=ws), HiddenTarget(ht, wt, V), weights, temp)
+    res.loss.backward()
+    assert seen == [(ws.grad.data_ptr(), dtype)]

@@ -1,48 +1,108 @@
-"""Packing benchmark: actor forward+backward on ``packed`` vs ``per_call`` (padded and varlen).
+"""Packing benchmark: actor forward+backward and teacher forward, packed vs ``per_call``.
 
 Model: the tiny teacher architecture (``tiny.teacher_config``: 4 layers, hidden 256, 8 heads,
-4 KV heads, SwiGLU 512), random weights. Episodes: a shared prefix ``q`` 2-4x the mean call block
-(``SHAPE``). One step = forward of the whole batch, full-vocabulary log-probs at the action
-tokens, backward of their sum. Variants are timed round-robin (warm-up rounds, then the median
-of timed rounds), single-threaded by default::
+4 KV heads, SwiGLU 512), random weights. Episodes: by default a shared prefix ``q`` 2-4x the mean
+call block, 4-6 calls (``SHAPE``); ``--calls T`` fixes the number of calls, ``--q-ratio R`` sets
+``|q|`` to R x the mean block, ``--group-size N`` gives every N consecutive episodes the same ``q``
+(GRPO / ``rollout.n`` groups), which the packed variant then computes once per group
+(``verl_memopd.trainer.groups``, as the trainer's engines do with
+``memopd.share_prefix_across_group``). One actor step = forward of the whole batch,
+full-vocabulary log-probs at the action tokens, backward of their sum; one teacher step = the
+forward alone (no gradients), final hidden states at the action tokens. Variants are timed
+round-robin (warm-up rounds, then the median of timed rounds), single-threaded by default, in
+process CPU time on CPU (wall time on an accelerator)::
 
-    python -m verl_memopd.bench packing
+    python -m verl_memopd.bench packing [--group-size 8 --q-ratio 2 --calls 2]
     ...
     packing speedup_vs_per_call=<x> ideal=<y> efficiency=<x/y>
 
-``speedup_vs_per_call`` = median step time of the faster per-call variant / that of ``packed``.
-``ideal`` = the ratio of attention+MLP work implied by the token counts, per layer (the layer
-count and the backward's ~2x factor cancel; embeddings and the LM head, identical for both, are
-left out)::
+``speedup_vs_per_call`` = median actor step time of the faster per-call variant / that of
+``packed``. ``ideal`` = the ratio of attention+MLP work implied by the segments, per layer (the
+layer count and the backward's ~2x factor cancel; embeddings and the LM head, identical for both,
+are left out)::
 
     work(layout) = sum over segments [ Lq * c_tok + pairs(Lq, Lk) * c_pair ]
     c_tok  = 2 * (H * (Hq*D + 2 * Hkv*D) + Hq*D * H + 3 * H * I)    projections + SwiGLU MLP, FLOPs/token
     c_pair = 4 * Hq * D                                              QK^T and PV, FLOPs/visible pair
     pairs  = Lq * (Lk - Lq) + Lq * (Lq + 1) / 2                      bottom-right causal segment
     ideal  = work(per_call, unpadded) / work(packed)
+
+The shape line also gives the token-count ratio ``n T (q + b) / (q + n T b)`` (n episodes per
+group, T calls, mean |q| and block b), the ideal when attention is free.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from verl_memopd.attention import BACKENDS, attention_implementation, forward_layout, hf_name
-from verl_memopd.packing import BatchLayout, build_layout
+from verl_memopd.attention import BACKENDS, attention_implementation, backend_of, hf_name
+from verl_memopd.packing import BatchLayout, build_layout, pack_episode
 from verl_memopd.rce import EpisodeShape, random_episodes
+from verl_memopd.records import Episode, Invocation
+from verl_memopd.segments import SegmentMeta
+from verl_memopd.trainer.groups import share_prefix
 
-__all__ = ["SHAPE", "layout_work", "step_seconds", "main"]
+__all__ = ["SHAPE", "Stream", "grouped_episodes", "group_stream", "layout_work", "step_seconds", "main"]
 
 #: Benchmark episodes: q of 256-320 tokens; blocks = memory (a slice of the previous response)
 #: + a 48-80 token chunk + a 16-48 token response, ~105 tokens on average: q / block ~ 2.7.
 SHAPE = EpisodeShape(prefix_len=(256, 320), calls=(4, 6), chunk_len=(48, 80), response_len=(16, 48))
 
 
-def layout_work(layout: BatchLayout, config) -> float:
+@dataclass(frozen=True)
+class Stream:
+    """One way to run a batch: (B, L) inputs, their segments over the ``B * L`` stream, and the A
+    action tokens: ``predictors`` (A,) flat stream index of the position predicting each, ``action_ids`` (A,)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    segments: SegmentMeta
+    predictors: torch.Tensor
+    action_ids: torch.Tensor
+    needs_segment_attention: bool = True
+
+    @classmethod
+    def of(cls, layout: BatchLayout) -> "Stream":
+        return cls(layout.input_ids, layout.position_ids, layout.segments, layout.action_index, layout.action_ids,
+                   layout.needs_segment_attention)
+
+
+def grouped_episodes(episodes: Sequence[Episode], group_size: int, q_len: Optional[int], seed: int,
+                     vocab_size: int) -> list[Episode]:
+    """Every ``group_size`` consecutive episodes get one prompt ``q`` (the group's first one's, or
+    ``q_len`` random tokens when given); ``uid`` = the group."""
+    rng, out = random.Random(seed), []
+    for e, ep in enumerate(episodes):
+        if e % group_size == 0:
+            q = ep.prefix_ids if q_len is None else tuple(rng.randrange(vocab_size) for _ in range(q_len))
+        calls = tuple(replace(inv, prompt_ids=q + inv.prompt_ids[ep.prefix_len:]) for inv in ep.invocations)
+        out.append(replace(ep, uid=f"group-{e // group_size}", prefix_ids=q, invocations=calls))
+    return out
+
+
+def group_stream(episodes: Sequence[Episode], packed: BatchLayout) -> Stream:
+    """The packed rows of ``episodes`` with each prompt group's q computed once (the engines' stream)."""
+    rows = [pack_episode(ep) for ep in episodes]
+    uids = {ep.uid: None for ep in episodes}
+    groups = [list(uids).index(ep.uid) for ep in episodes]
+    shared = share_prefix([torch.tensor(r.prompt_ids + r.response_ids) for r in rows],
+                          [torch.tensor(r.position_ids) for r in rows], [torch.tensor(r.segment_ids) for r in rows],
+                          groups)
+    if shared is None:
+        return Stream.of(packed)
+    inputs, index = shared
+    return Stream(inputs["input_ids"], inputs["position_ids"], inputs["memopd_segments"],
+                  index[packed.action_index], packed.action_ids)
+
+
+def layout_work(layout: Union[BatchLayout, Stream], config) -> float:
     """Attention+MLP FLOPs of one layer's forward over the layout's segments (formula above)."""
     h, i = config.hidden_size, config.intermediate_size
     hq, hkv = config.num_attention_heads, config.num_key_value_heads
@@ -61,22 +121,44 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _step(model: torch.nn.Module, layout: BatchLayout, impl: str) -> float:
-    """Wall time of one forward + full-vocabulary action log-probs + backward under ``impl``."""
+def _clock(device: torch.device) -> float:
+    """CPU time of this process on CPU (a shared machine's load swings wall time by several x; the
+    process's own CPU time hardly moves), wall time on an accelerator."""
+    return time.process_time() if device.type == "cpu" else time.perf_counter()
+
+
+def _hidden(model: torch.nn.Module, stream: Stream) -> torch.Tensor:
+    """Final post-norm hidden states at the predicting positions: (A, H)."""
+    device = model.get_input_embeddings().weight.device
+    kwargs = {} if backend_of(model) is None else {"memopd_segments": stream.segments.to(device)}
+    out = model.base_model(input_ids=stream.input_ids.to(device), position_ids=stream.position_ids.to(device),
+                           use_cache=False, **kwargs)
+    hidden = out.last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, stream.predictors.to(device))
+
+
+def _step(model: torch.nn.Module, layout: Union[BatchLayout, Stream], impl: str, backward: bool = True) -> float:
+    """Time (``_clock``) of one forward + full-vocabulary action log-probs + backward under ``impl``, or
+    (``backward=False``) of the teacher's forward to the action positions' hidden states, without gradients."""
+    stream = layout if isinstance(layout, Stream) else Stream.of(layout)
     device = model.get_input_embeddings().weight.device
     with attention_implementation(model, impl):
         model.zero_grad(set_to_none=True)
         _sync(device)
-        start = time.perf_counter()
-        logits = forward_layout(model, layout).float()
-        logprobs = torch.log_softmax(logits, -1).gather(1, layout.action_ids.to(device).unsqueeze(1))
-        logprobs.sum().backward()
+        start = _clock(device)
+        if backward:
+            logits = model.get_output_embeddings()(_hidden(model, stream)).float()
+            logprobs = torch.log_softmax(logits, -1).gather(1, stream.action_ids.to(device).unsqueeze(1))
+            logprobs.sum().backward()
+        else:
+            with torch.no_grad():
+                _hidden(model, stream)
         _sync(device)
-    return time.perf_counter() - start
+    return _clock(device) - start
 
 
-def step_seconds(model: torch.nn.Module, variants: dict[str, tuple[BatchLayout, str]], warmup: int,
-                 repeats: int) -> dict[str, float]:
+def step_seconds(model: torch.nn.Module, variants: dict[str, tuple[Union[BatchLayout, Stream], str]], warmup: int,
+                 repeats: int, backward: bool = True) -> dict[str, float]:
     """Median step time per variant ``name -> (layout, attention implementation)``.
 
     Variants are timed round-robin (one step each per round), so load changes on a shared machine
@@ -85,7 +167,7 @@ def step_seconds(model: torch.nn.Module, variants: dict[str, tuple[BatchLayout, 
     times: dict[str, list[float]] = {name: [] for name in variants}
     for round_ in range(warmup + repeats):
         for name, (layout, impl) in variants.items():
-            seconds = _step(model, layout, impl)
+            seconds = _step(model, layout, impl, backward)
             if round_ >= warmup:
                 times[name].append(seconds)
     return {name: statistics.median(t) for name, t in times.items()}
@@ -97,9 +179,15 @@ def _timed(build: Callable[[], BatchLayout]) -> tuple[BatchLayout, float]:
     return layout, time.perf_counter() - start
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m verl_memopd.bench packing", description=__doc__.split("\n")[0])
-    p.add_argument("--episodes", type=int, default=4, help="episodes per step (default 4)")
+    p.add_argument("--episodes", type=int, default=None,
+                   help="episodes per step, a multiple of --group-size (default max(4, group size))")
+    p.add_argument("--group-size", type=int, default=1,
+                   help="episodes sharing one prompt q (GRPO / rollout.n group); 1 = per-episode packing (default)")
+    p.add_argument("--q-ratio", type=float, default=None,
+                   help="|q| = R x the mean call block (default: SHAPE's q of 256-320 tokens, ~2.7x)")
+    p.add_argument("--calls", type=int, default=None, help="calls per episode (default: SHAPE's 4-6)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant (default 1)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per variant; median reported (default 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of episodes and weights (default 0)")
@@ -110,9 +198,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="CPU threads for torch (default 1: on a shared CPU, several threads per op make small "
                         "ops wait on each other and distort the ratios)")
     args = p.parse_args(argv)
-    if min(args.repeats, args.episodes, args.threads) < 1 or args.warmup < 0:
-        p.error("--episodes, --repeats and --threads must be >= 1, --warmup >= 0")
+    args.episodes = args.episodes or max(4, args.group_size)
+    if min(args.repeats, args.episodes, args.threads, args.group_size) < 1 or args.warmup < 0:
+        p.error("--episodes, --repeats, --threads and --group-size must be >= 1, --warmup >= 0")
+    if args.episodes % args.group_size or (args.calls is not None and args.calls < 1) or (
+            args.q_ratio is not None and args.q_ratio <= 0):
+        p.error("--episodes must be a multiple of --group-size; --calls >= 1; --q-ratio > 0")
+    return args
 
+
+def _episodes(args: argparse.Namespace, vocab_size: int) -> list[Episode]:
+    shape = SHAPE if args.calls is None else replace(SHAPE, calls=(args.calls, args.calls))
+    episodes = random_episodes(args.episodes, vocab_size, args.seed, shape)
+    q_len = None
+    if args.q_ratio is not None:
+        q_len = max(1, round(args.q_ratio * statistics.mean(_blocks(episodes))))
+    return grouped_episodes(episodes, args.group_size, q_len, args.seed, vocab_size)
+
+
+def _blocks(episodes: Sequence[Episode]) -> list[int]:
+    return [len(inv.prompt_ids) - ep.prefix_len + len(inv.response_ids) for ep in episodes for inv in ep.invocations]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parse(argv)
     from transformers import Qwen2ForCausalLM
 
     from verl_memopd.tiny import teacher_config
@@ -121,25 +230,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.manual_seed(args.seed)
     config = teacher_config()
     model = Qwen2ForCausalLM(config).to(args.device, getattr(torch, args.dtype)).train()
-    episodes = random_episodes(args.episodes, config.vocab_size, args.seed, SHAPE)
-    packed, build_s = _timed(lambda: build_layout("packed", episodes, config.vocab_size))
+    episodes = _episodes(args, config.vocab_size)
+    layout, build_s = _timed(lambda: build_layout("packed", episodes, config.vocab_size))
+    packed = group_stream(episodes, layout)
     padded = build_layout("per_call", episodes, config.vocab_size)
     varlen = build_layout("per_call_varlen", episodes, config.vocab_size)
-    blocks = [len(inv.prompt_ids) - ep.prefix_len + len(inv.response_ids) for ep in episodes for inv in ep.invocations]
-    prefix = statistics.mean(ep.prefix_len for ep in episodes)
-    print(f"packing: {args.episodes} episodes, {len(blocks)} calls, mean len(q) {prefix:.0f} = "
-          f"{prefix / statistics.mean(blocks):.2f}x mean block; tokens packed {packed.input_ids.numel()}, "
-          f"per_call varlen {varlen.input_ids.numel()}, padded {padded.input_ids.numel()}; "
-          f"{packed.action_index.numel()} action tokens; packed layout built in {build_s * 1e3:.1f} ms")
+    blocks = _blocks(episodes)
+    q, b, n = statistics.mean(ep.prefix_len for ep in episodes), statistics.mean(blocks), args.group_size
+    t = len(blocks) / len(episodes)
+    print(f"packing: {args.episodes} episodes in groups of {n} sharing q, {t:.1f} calls each, mean len(q) {q:.0f} = "
+          f"{q / b:.2f}x mean block {b:.0f}; token ideal n*T*(q+b)/(q+n*T*b) = {n * t * (q + b) / (q + n * t * b):.3f}; "
+          f"tokens packed {packed.input_ids.numel()}, per_call varlen {varlen.input_ids.numel()}, padded "
+          f"{padded.input_ids.numel()}; {packed.action_ids.numel()} action tokens; packed layout built in "
+          f"{build_s * 1e3:.1f} ms")
 
-    seconds = step_seconds(model, {
-        "per_call_padded": (padded, "sdpa"),
-        "per_call_varlen": (varlen, hf_name(args.backend)),
-        "packed": (packed, hf_name(args.backend)),
-    }, args.warmup, args.repeats)
-    for name, s in seconds.items():
-        print(f"packing: {name:16s} median step {s * 1e3:8.1f} ms  speed-up of packed {s / seconds['packed']:.3f}x")
-    speedup = min(seconds["per_call_padded"], seconds["per_call_varlen"]) / seconds["packed"]
+    variants = {"per_call_padded": (padded, "sdpa"), "per_call_varlen": (varlen, hf_name(args.backend)),
+                "packed": (packed, hf_name(args.backend))}
+    actor = step_seconds(model, variants, args.warmup, args.repeats)
+    teacher = step_seconds(model, variants, args.warmup, args.repeats, backward=False)
+    for name in variants:
+        print(f"packing: {name:16s} actor fwd+bwd {actor[name] * 1e3:8.1f} ms (packed {actor[name] / actor['packed']:.3f}x)"
+              f"  teacher fwd {teacher[name] * 1e3:8.1f} ms (packed {teacher[name] / teacher['packed']:.3f}x)")
     ideal = layout_work(varlen, config) / layout_work(packed, config)
+    t_speedup = min(teacher["per_call_padded"], teacher["per_call_varlen"]) / teacher["packed"]
+    print(f"packing teacher_speedup_vs_per_call={t_speedup:.3f} ideal={ideal:.3f} efficiency={t_speedup / ideal:.3f}")
+    speedup = min(actor["per_call_padded"], actor["per_call_varlen"]) / actor["packed"]
     print(f"packing speedup_vs_per_call={speedup:.3f} ideal={ideal:.3f} efficiency={speedup / ideal:.3f}")
     return 0

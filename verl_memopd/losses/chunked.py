@@ -16,9 +16,11 @@ Gradients are formed during the forward call (Liger-Kernel's chunked-loss patter
 loss takes the per-token weights ``w`` and returns the scalar ``sum_i w_i * D_i``; backward only
 scales the stored gradients. With ``vocab_chunk_size=None`` (default) a token chunk's (n, V)
 logits are formed once and the three passes share them (normalised in place; ``g`` kept for
-pass 3): peak extra memory ~ 8 * n * V * 4 bytes plus the fp32 gradient of W_S. With a vocab
-chunk, every pass recomputes its (n, c) block: ~ 8 * n * c * 4 bytes, at 3 student and 3
-teacher matmuls instead of 1.
+pass 3): peak extra memory ~ 6 * n * V * 4 bytes (one token chunk's a, b, p, q, f, g; the
+previous chunk's are freed first). With a vocab chunk, every pass recomputes its (n, c) block:
+~ 6 * n * c * 4 bytes, at 3 student and 3 teacher matmuls instead of 1. The only (V_rows, H)
+buffer is W_S's gradient, accumulated in W_S's dtype and handed to autograd without a copy
+(it becomes ``W_S.grad``): the memory the naive loss needs for that gradient too.
 
 Other targets (the ``topk`` transport's K + 1 bins, :mod:`verl_memopd.losses.bins`) register a
 kernel for their target type with :func:`register_target_kernel`.
@@ -51,10 +53,10 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Chunking:
-    """Chunk sizes. token_chunk_size: positions per chunk (default 256). vocab_chunk_size:
+    """Chunk sizes. token_chunk_size: positions per chunk (default 128). vocab_chunk_size:
     columns per chunk, None = the whole vocabulary (default; each token chunk's logits formed once)."""
 
-    token_chunk_size: int = 256
+    token_chunk_size: int = 128
     vocab_chunk_size: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -169,16 +171,17 @@ def merge_lse(x: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
 
 
 def accumulate_grad(grad_z, rows, cols, x, w, grad_x, grad_w) -> None:
-    """Chain rule through a logits block (grad_z (n, c), already / T): into grad_x and grad_w."""
+    """Chain rule through a logits block (grad_z (n, c) fp32, already / T): into grad_x (A, *) fp32 and
+    grad_w (V_rows, H) in w's dtype, in place (``addmm_``: no (c, H) product buffer in fp32)."""
     if w is None:
         grad_x[rows, cols] += grad_z
         return
-    if w.dtype == torch.float32 and x.dtype == torch.float32:  # accumulate in place, no product buffer
+    if w.dtype == torch.float32 and x.dtype == torch.float32:
         grad_x[rows].addmm_(grad_z, w[cols])
         grad_w[cols].addmm_(grad_z.T, x[rows])
         return
     grad_x[rows] += (grad_z.to(w.dtype) @ w[cols]).float()
-    grad_w[cols] += (grad_z.T.to(x.dtype) @ x[rows]).float()
+    grad_w[cols].addmm_(grad_z.T.to(x.dtype), x[rows])
 
 
 def _rowdot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -247,12 +250,14 @@ class _FullVocabDivergence(torch.autograd.Function):
         inv_temp (A,) -> loss (), stats (A, 5): D, reverse KL, forward KL, teacher / student top mass."""
         grads_needed = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
         grad_x = torch.zeros_like(s_x, dtype=torch.float32) if grads_needed else None
-        grad_w = torch.zeros_like(s_w, dtype=torch.float32) if grads_needed and s_w is not None else None
+        # the head's gradient: one (V_rows, H) buffer in the head's dtype, handed to autograd as is
+        grad_w = torch.zeros_like(s_w) if grads_needed and s_w is not None else None
         stats = s_x.new_zeros((s_x.shape[0], 5), dtype=torch.float32)
         loss = torch.zeros((), dtype=torch.float32, device=s_x.device)
         for rows in plan.chunking.token_ranges(s_x.shape[0]):
             blocks = _Blocks(plan, rows, (s_x, s_w, t_h, t_w), inv_temp[rows, None])
             loss += _full_vocab_chunk(plan, blocks, weights[rows].float(), stats[rows], grad_x, grad_w)
+            del blocks  # else the next chunk's blocks are built while this one's are still held
         ctx.grads = (grad_x, grad_w)
         ctx.dtypes = (s_x.dtype, None if s_w is None else s_w.dtype)
         ctx.mark_non_differentiable(stats)
@@ -260,8 +265,13 @@ class _FullVocabDivergence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_stats):
-        unit = bool(grad_loss == 1)  # the usual case: hand the stored gradients over without a copy
-        grads = [None if g is None else (g if unit else g * grad_loss).to(dt) for g, dt in zip(ctx.grads, ctx.dtypes)]
+        # The usual case (grad_loss == 1) hands the stored gradients over without a copy. ctx lets go of
+        # them first: autograd's AccumulateGrad adopts a gradient nobody else holds as ``param.grad``,
+        # but clones one that is still referenced (a second (V_rows, H) buffer).
+        stored, ctx.grads = ctx.grads, None
+        unit = bool(grad_loss == 1)
+        grads = [None if g is None else (g if unit else g.mul_(grad_loss)).to(dt) for g, dt in zip(stored, ctx.dtypes)]
+        del stored
         return None, None, *grads, None, None, None
 
 
@@ -275,9 +285,9 @@ def _full_vocab_chunk(plan: Plan, blocks: _Blocks, w: torch.Tensor, stats: torch
         f, g = plan.divergence.pointwise(a, b, p, q, with_grad=True)
         div += f.sum(-1)
         gsum += g.sum(-1)
-        d = a - b
-        rkl += _rowdot(p, d)
-        fkl -= _rowdot(q, d)
+        del f
+        rkl += _rowdot(p, a) - _rowdot(p, b)  # no (n, c) difference buffer
+        fkl += _rowdot(q, b) - _rowdot(q, a)
         top = _merge_top(top, b, a, plan.top_tokens)
         kept_g = g if blocks.cached is not None else None
     stats.copy_(torch.stack([div, rkl, fkl, top[0].exp().sum(-1), top[1].exp().sum(-1)], dim=-1))

@@ -74,7 +74,7 @@ class DistillConfig:
     topk: Optional[int] = None
     teacher_mask: str = "action"
     token_clamp: Optional[float] = None
-    token_chunk_size: int = 256
+    token_chunk_size: int = 128
 
 
 @dataclass(frozen=True)
@@ -118,9 +118,14 @@ class MemopdConfig:
         ``actor_rollout_ref.actor.entropy_coeff`` at it.
     kl_penalty_coef: beta of the reward's clipped KL penalty ``r - beta*[l_old - l_ref]_+``
         (``verl_memopd.trainer.reward``); > 0 starts verl's reference model; 0 = no penalty, no reference.
+    share_prefix_across_group: packed layout: rows of one micro-batch with the same prompt (verl's uid,
+        ``q`` token ids verified identical; e.g. the ``rollout.n`` samples) compute ``q`` once, every
+        call block of the group attending to it (``verl_memopd.trainer.groups``); exact, outputs and
+        gradients equal to fp32 noise. False = every row computes its own ``q``.
     """
 
     layout: str = "packed"
+    share_prefix_across_group: bool = True
     entropy_coef: float = 0.0
     kl_penalty_coef: float = 0.001
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
@@ -129,6 +134,9 @@ class MemopdConfig:
     agent: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.share_prefix_across_group, bool):
+            raise MemopdConfigError(f"memopd.share_prefix_across_group={self.share_prefix_across_group!r}: expected "
+                                    f"true or false")
         if self.layout not in TRAINER_LAYOUTS:
             raise MemopdConfigError(f"memopd.layout={self.layout!r}: expected one of {TRAINER_LAYOUTS}")
         if self.teacher.placement not in TEACHER_PLACEMENTS:

@@ -14,7 +14,10 @@ packed-attention metadata from the row's ``memopd_segment_ids`` (restored by
 
 With ``memopd.layout=per_call`` (rows flagged ``memopd_calls_alone``) the same engines run every
 call as its own sequence (``verl_memopd.trainer.calls``) and read the outputs back in the packed
-order (the remove-padding stream or verl's padded batch): the per-call baseline.
+order (the remove-padding stream or verl's padded batch): the per-call baseline. With
+``memopd.share_prefix_across_group`` (rows carrying a ``memopd_prompt_group``) the rows of one
+prompt group in a micro-batch compute their common ``q`` once (``verl_memopd.trainer.groups``) and
+are read back the same way.
 
 Both of verl's micro-batch paths are supported: remove-padding (one ``(1, N)`` token stream)
 and padded ``(B, L)`` (right-padded rows; padding runs are isolated segments). Ulysses
@@ -41,6 +44,7 @@ from verl_memopd.trainer.audit import (
     rce_spot_check,
 )
 from verl_memopd.trainer.calls import CALLS_ALONE, calls_alone
+from verl_memopd.trainer.groups import PROMPT_GROUP, share_prefix
 from verl_memopd.trainer.rows import SEGMENT_IDS
 
 STUDENT_LOGITS = "memopd_logits"
@@ -60,6 +64,14 @@ def _executes_calls_alone(micro_batch) -> bool:
         return False
     flag = micro_batch[CALLS_ALONE]
     return bool((flag.values() if flag.is_nested else flag).any())
+
+
+def _shared_prefix_stream(micro_batch):
+    """``(inputs, index)`` of the micro-batch with each prompt group's q computed once, or None."""
+    if PROMPT_GROUP not in micro_batch.keys():
+        return None
+    groups = micro_batch[PROMPT_GROUP].reshape(-1).tolist()
+    return share_prefix(*_rows(micro_batch), groups)
 
 
 def micro_batch_segments(micro_batch, use_remove_padding: bool) -> SegmentMeta:
@@ -103,49 +115,65 @@ class _PackedRows:
         model_inputs, output_args = super().prepare_model_inputs(micro_batch)
         use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
         device = model_inputs["input_ids"].device
+        stream, what = None, ""
         if _executes_calls_alone(micro_batch):
+            (inputs, _, index), what = calls_alone(*_rows(micro_batch)), "memopd.layout=per_call"
+            stream = inputs, index
+        else:
+            stream, what = _shared_prefix_stream(micro_batch), "memopd.share_prefix_across_group=true"
+        if stream is None:
+            model_inputs["memopd_segments"] = micro_batch_segments(micro_batch, use_rmpad).to(device)
+        else:
             if output_args.get("pad_size", 0):
-                raise PackedAttentionError("memopd.layout=per_call does not support static sequence padding")
-            inputs, _, index = calls_alone(*_rows(micro_batch))
+                raise PackedAttentionError(f"{what} does not support static sequence padding (verl's pad_to_length)")
+            inputs, index = stream
             if not use_rmpad:  # verl reads (B, L, *) outputs: where each packed token goes in the padded batch
                 lengths = micro_batch["input_ids"].offsets().diff().to(device)
                 width = model_inputs["input_ids"].shape[1]
                 output_args[PADDED_MASK] = torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)
             model_inputs.update({k: v.to(device) for k, v in inputs.items()})
             output_args[PACKED_INDEX] = index.to(device)
-        else:
-            model_inputs["memopd_segments"] = micro_batch_segments(micro_batch, use_rmpad).to(device)
         model_inputs["attention_mask"] = None  # visibility is the segments' (padding runs are isolated)
         return model_inputs, output_args
 
     @staticmethod
     def packed_order(output, output_args, logits: bool = True):
-        """``memopd.layout=per_call``: the model ran every call alone; put its outputs back in the
-        packed stream's token order (logits / values (1, N, *) unless ``logits=False``, last hidden states)."""
+        """The model ran another stream than the packed one (``memopd.layout=per_call``: every call
+        alone; group-shared prefix: q once per prompt group); put the logits / values (1, N', *)
+        back in the packed stream's token order (unless ``logits=False``)."""
+        if logits and PACKED_INDEX in output_args:
+            output.logits = _PackedRows.packed_tensor(output.logits, output_args)
+        return output
+
+    @staticmethod
+    def packed_tensor(t: torch.Tensor, output_args) -> torch.Tensor:
+        """(1, N', *) model-stream tensor -> (1, N, *) packed stream or (B, L, *) padded batch (as is
+        when the model ran the packed stream itself)."""
         index = output_args.get(PACKED_INDEX)
         if index is None:
-            return output
-        mask = output_args.get(PADDED_MASK)
-
-        def packed(t: torch.Tensor) -> torch.Tensor:  # (1, N', *) -> (1, N, *) stream or (B, L, *) padded
-            t = t[:, index]
-            if mask is None:
-                return t
-            out = t.new_zeros(*mask.shape, *t.shape[2:])
-            out[mask] = t[0]
-            return out
-
-        if logits:
-            output.logits = packed(output.logits)
-        if output.get("hidden_states") is not None:
-            output.hidden_states = (packed(output.hidden_states[-1]),)
-        return output
+            return t
+        t, mask = t[:, index], output_args.get(PADDED_MASK)
+        if mask is None:
+            return t
+        out = t.new_zeros(*mask.shape, *t.shape[2:])
+        out[mask] = t[0]
+        return out
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         if not forward_only and TEACHER_MASK in data.keys():
             # L_OPD is normalised by the teacher tokens of the whole mini-batch on all DP ranks
             assign_global_teacher_counts(data, self.get_data_parallel_group())
         return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+
+
+def final_norm(model: torch.nn.Module) -> torch.nn.Module:
+    """The final norm of a causal LM (its output: the final post-norm hidden states, (B, L, H))."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    norm = getattr(decoder, "norm", None)
+    if not isinstance(norm, torch.nn.Module):
+        raise PackedAttentionError(f"teacher: no final norm found on {type(model).__name__} (expected "
+                                   f"model.get_decoder().norm, as in Qwen2/Llama)")
+    return norm
 
 
 def _jagged_like(values_bl: torch.Tensor, micro_batch, use_rmpad: bool) -> torch.Tensor:
@@ -218,17 +246,26 @@ class MemopdTeacherEngine(_PackedRows, FSDPEngineWithLMHead):
 
     _memopd_head = None  # (V_rows, H) fp32 output head, loaded on first use by transports that need it
 
+    def initialize(self):
+        super().initialize()
+        self._final_norm_output: list[torch.Tensor] = []
+        final_norm(self.module).register_forward_hook(lambda _m, _i, out: self._final_norm_output.append(out))
+
     def prepare_model_inputs(self, micro_batch):
         model_inputs, output_args = super().prepare_model_inputs(micro_batch)
-        model_inputs["output_hidden_states"] = True
+        # the final norm's output is caught by a hook (output_hidden_states=True would keep every layer's)
         model_inputs["logits_to_keep"] = 1  # the teacher's logits are computed by the actor, from these states
+        self._final_norm_output.clear()
         return model_inputs, output_args
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
-        output = self.packed_order(output, output_args, logits=False)  # logits_to_keep=1: unused
+        if len(self._final_norm_output) != 1:
+            raise PackedAttentionError(f"teacher: expected one output of the final norm per forward, caught "
+                                       f"{len(self._final_norm_output)}")
+        final = self.packed_tensor(self._final_norm_output.pop(), output_args)  # (1, N, H) or (B, L, H)
         use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
         key = tu.get_non_tensor_data(data=micro_batch, key=TEACHER_OUTPUT_KEY, default=None)
-        hidden = _jagged_like(output.hidden_states[-1], micro_batch, use_rmpad)
+        hidden = _jagged_like(final, micro_batch, use_rmpad)
         rows = []
         for h, m in zip(hidden.unbind(), micro_batch[TEACHER_MASK].unbind()):
             start = h.shape[0] - m.shape[0] - 1  # position P_b - 1 predicts response token 0

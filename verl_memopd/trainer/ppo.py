@@ -163,7 +163,7 @@ class MemopdTrainer(PPOTrainerSync):
     # --- one step ---------------------------------------------------------------------------
     def _compute_old_log_prob(self, batch, metrics):
         with marked_timer("memopd_layout", self.timing_raw, color="white"):
-            metrics.update(restore_layout(batch, self.memopd.layout))
+            metrics.update(restore_layout(batch, self.memopd.layout, self.memopd.share_prefix_across_group))
         audit = self.memopd.audits_at(self.global_steps)
         rce = audit and self.memopd.audit.rce
         if rce:
@@ -192,11 +192,11 @@ class MemopdTrainer(PPOTrainerSync):
             with marked_timer(name, self.timing_raw, color="purple"):
                 if teacher_pass.layout != layout:
                     layout = teacher_pass.layout
-                    restore_layout(batch, layout)
+                    restore_layout(batch, layout, self.memopd.share_prefix_across_group)
                 self._score_with_teacher(batch, output_key=teacher_pass.output_key)
         if layout != self.memopd.layout:
             with marked_timer("memopd_layout", self.timing_raw, color="white"):
-                restore_layout(batch, self.memopd.layout)
+                restore_layout(batch, self.memopd.layout, self.memopd.share_prefix_across_group)
 
     def _score_with_teacher(self, batch, output_key=None):
         """The teacher worker group scores the rows' current layout into TransferQueue: the transport's

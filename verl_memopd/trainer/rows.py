@@ -12,6 +12,8 @@ for the step's keys, the fields every later forward reads (actor, ref, critic, t
     memopd_calls_alone    () 1 under the per_call layout (the packed fields, executed call by call,
                           calls.py), else 0 -- always written, so re-laying out a step's rows (the
                           teacher's flat pass, audits) never leaves a stale flag behind
+    memopd_prompt_group   () the row's prompt group: index of verl's uid among the step's uids
+                          (-1: never share q; groups.py)
 
 The trainer may lay the same rows out twice in a step: ``memopd.teacher.state=flat`` (or an audit)
 has the teacher score the flat layout, then restores the student's layout for reference and critic.
@@ -33,6 +35,7 @@ from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 from verl_memopd.agent.loop import EXTRA_EPISODE, EXTRA_POSITION_IDS, EXTRA_SEGMENT_IDS, EXTRA_TEACHER_MASK
 from verl_memopd.losses.actor import CALL_INDEX, TEACHER_MASK
 from verl_memopd.trainer.calls import CALLS_ALONE
+from verl_memopd.trainer.groups import PROMPT_GROUP
 
 SEGMENT_IDS = "memopd_segment_ids"
 
@@ -88,19 +91,36 @@ def sharing_metrics(rows: list[tuple[int, dict]]) -> dict[str, float]:
     }
 
 
-def restore_layout(batch, layout: str) -> dict[str, float]:
+def prompt_groups(keys: list[str], share: bool) -> list[int]:
+    """Per row, the index of its prompt's uid among the step's (verl V1 keys ``{uid}_{session}_{i}``;
+    the ``rollout.n`` samples of one prompt share the uid); all -1 when ``share`` is off."""
+    if not share:
+        return [-1] * len(keys)
+    uids: dict[str, int] = {}
+    return [uids.setdefault(key.split("_")[0], len(uids)) for key in keys]
+
+
+def restore_layout(batch, layout: str, share_prefix: bool = False) -> dict[str, float]:
     """Rewrite the layout fields of ``batch`` (a KVBatchMeta of the step) in TransferQueue;
-    returns the step's :func:`sharing_metrics`."""
+    returns the step's :func:`sharing_metrics`. ``share_prefix``: the rows of one prompt group
+    may compute their common ``q`` once (``memopd.share_prefix_across_group``; packed layout)."""
     data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                            select_fields=["prompts", "responses", "extra_fields"])
-    rows, lengths = [], []
-    for key, tag, prompt, response, extra in zip(batch.keys, batch.tags, data["prompts"].unbind(),
-                                                 data["responses"].unbind(), data["extra_fields"]):
+    rows, lengths, prompts = [], [], {}
+    groups = prompt_groups(list(batch.keys), share_prefix and layout == "packed")
+    for key, tag, group, prompt, response, extra in zip(batch.keys, batch.tags, groups, data["prompts"].unbind(),
+                                                        data["responses"].unbind(), data["extra_fields"]):
         p, r = prompt.numel(), response.numel()
         if tag.get("is_padding", False):
-            rows.append(padding_fields(p, r, layout))
+            rows.append(padding_fields(p, r, layout) | {PROMPT_GROUP: torch.tensor(-1)})
             continue
-        rows.append(layout_fields(p, r, extra, layout, f"row {key}"))
+        rows.append(layout_fields(p, r, extra, layout, f"row {key}") | {PROMPT_GROUP: torch.tensor(group)})
         lengths.append((p + r, extra))
+        if group >= 0:
+            prompts.setdefault((group, tuple(prompt.tolist())), []).append(p)
     tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=list_of_dict_to_tensordict(rows))
-    return sharing_metrics(lengths)
+    metrics = sharing_metrics(lengths)
+    if share_prefix and layout == "packed":  # an upper bound: a group split across micro-batches shares less
+        shared = sum(sum(ps[1:]) for ps in prompts.values())
+        metrics["memopd/group_prefix_tokens_saved"] = shared / max(1, sum(n for n, _ in lengths))
+    return metrics
