@@ -97,7 +97,7 @@ class _Recorder:
     def __init__(self):
         self.layout, self.scored = None, []
 
-    def restore_layout(self, batch, layout):
+    def restore_layout(self, batch, layout, share_prefix=False):
         self.layout = layout
         return {}
 

@@ -20,6 +20,7 @@ from verl_memopd.packing import pack_episode
 from verl_memopd.rce import EpisodeShape, random_episodes
 from verl_memopd.segments import segment_meta
 from verl_memopd.supervision import TEACHER_HIDDEN
+from verl_memopd.trainer.audit import TEACHER_OUTPUT_KEY
 from verl_memopd.tiny import student_config
 from verl_memopd.trainer.engine import MemopdLMEngine, MemopdTeacherEngine, MemopdValueEngine, final_norm
 from verl_memopd.trainer.groups import PROMPT_GROUP, share_prefix
@@ -150,7 +151,10 @@ def test_engines_give_the_same_outputs_and_gradients_with_sharing_on_and_off(rol
     results = []
     for share in (True, False):
         engine.module.zero_grad()
-        outs, n_tokens = _run(engine, _micro_batch(rows, groups, use_rmpad, share), keys)
+        micro_batch = _micro_batch(rows, groups, use_rmpad, share)
+        if role == "teacher":  # the states as gathered (the hidden transport detaches them: a frozen teacher)
+            tu.assign_non_tensor(micro_batch, **{TEACHER_OUTPUT_KEY: TEACHER_HIDDEN})
+        outs, n_tokens = _run(engine, micro_batch, keys)
         sum(o.values().pow(2).sum() for o in outs).backward()
         results.append(([o.values().detach() for o in outs], n_tokens,
                         [p.grad.clone() for p in engine.module.parameters() if p.grad is not None]))

@@ -339,18 +339,24 @@ def nest_payload(payload: Mapping[str, torch.Tensor], row_counts: torch.Tensor) 
 
 
 def encode_teacher_rows(transport: Transport, rows: list[torch.Tensor], head_weight: Optional[torch.Tensor],
-                        vocab_size: int, temperature: float) -> dict[str, torch.Tensor]:
+                        vocab_size: int, temperature: float | torch.Tensor) -> dict[str, torch.Tensor]:
     """The teacher engine's output for one micro-batch: each row's final hidden states at its m_T
     positions, ``rows[b]`` (A_b, H_t), encoded by ``transport`` -> jagged payload (B, A_b*, ...).
 
     ``head_weight`` (V_rows, H_t): the teacher's own output head (needed by ``topk``, which forms
     the teacher's logits here, at the rollout ``temperature``; ``hidden`` ships the states as they are).
+    ``temperature``: a scalar, or one per row (B,) as verl's micro-batches may carry it.
     """
     if transport.teacher_needs_head and head_weight is None:
         raise SupervisionError(f"transport {transport.name!r} encodes on the teacher and needs its output head")
     counts = torch.tensor([r.shape[0] for r in rows], dtype=torch.long)
     hidden = torch.cat(rows) if rows else torch.zeros(0, 0)
-    temps = torch.full((hidden.shape[0],), float(temperature), device=hidden.device)
+    if isinstance(temperature, torch.Tensor) and temperature.numel() > 1:
+        if temperature.numel() != len(rows):
+            raise SupervisionError(f"encode_teacher_rows: {temperature.numel()} temperatures for {len(rows)} rows")
+        temps = torch.repeat_interleave(temperature.reshape(-1).float().to(hidden.device), counts.to(hidden.device))
+    else:
+        temps = torch.full((hidden.shape[0],), float(temperature), device=hidden.device)
     return nest_payload(transport.encode(hidden, head_weight, vocab_size, temps), counts.to(hidden.device))
 
 

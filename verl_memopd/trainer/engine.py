@@ -290,5 +290,6 @@ class MemopdTeacherEngine(_PackedRows, FSDPEngineWithLMHead):
                 path = self.model_config.local_path or self.model_config.path
                 self._memopd_head = load_output_head(path).float().to(rows[0].device)
             head = self._memopd_head
-        temperature = tu.get_non_tensor_data(data=micro_batch, key="temperature", default=1.0)
+        # verl's micro-batches carry the rollout temperature as a scalar or per row, (B,)
+        temperature = micro_batch["temperature"] if "temperature" in micro_batch.keys() else 1.0
         return encode_teacher_rows(transport, rows, head, vocab_size, temperature)
