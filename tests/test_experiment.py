@@ -115,6 +115,8 @@ def test_plot_writes_a_png(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("MEMOPD_LONG_TESTS") != "1",
+                    reason="opt-in (MEMOPD_LONG_TESTS=1): the experiment smoke (SFT x2, an eval, three RL arms: six verl launches) has run green as a script but not yet through pytest, and does not fit CI's 35-minute budget yet (issue 15, in progress)")
 def test_experiment_smoke_writes_csv_and_png(tmp_path):
     """EXPERIMENT_SMOKE=1 end to end: 2 SFT steps each (verl SFT trainer), the student's val eval (verl
     val_only), one RL step per arm (one seed), metrics.csv, f1.png and the summary line."""
