@@ -133,7 +133,7 @@ def test_experiment_smoke_writes_csv_and_png(tmp_path):
         assert {r["step"] for r in rows if r["arm"] == arm and r["split"] == "val"} == {0, 1}, arm
     assert all(r["reverse_kl"] is not None and r["reverse_kl"] > 0
                for r in rows if r["arm"] in ("memopd", "flat") and r["split"] == "train")
-    assert [r["step"] for r in rows if r["arm"] == "student" and r["split"] == "val"] == [2]
+    assert not [r for r in rows if r["arm"] in ("student", "teacher")]  # smoke: no SFT evals, the arms' step 0 is the start
     assert (tmp_path / "results" / "f1.png").read_bytes()[:4] == b"\x89PNG"
     assert any(line.startswith("experiment seeds=0 steps=0 ") for line in proc.stdout.splitlines())  # no test evals
     print(f"experiment smoke: wall {wall:.0f}s")

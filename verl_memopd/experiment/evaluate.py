@@ -75,11 +75,12 @@ def eval_sft_checkpoint(cfg: ExperimentConfig, paths: Paths, role: str, step: in
 def chosen_student(cfg: ExperimentConfig, paths: Paths) -> int:
     """The SFT step the RL arms start from: the latest evaluated step whose val F1 is in the band.
 
-    Chosen on val only. Raises with every measured F1 if none is in ``cfg.student_f1_band``.
+    Chosen on val only. Raises with every measured F1 if none is in ``cfg.student_f1_band``; without a band
+    (smoke) the final SFT step, not evaluated.
     """
-    measured = {s: eval_sft_checkpoint(cfg, paths, "student", s, "val")["f1"] for s in cfg.student_eval_steps}
     if cfg.student_f1_band is None:
-        return max(measured)
+        return cfg.student_sft.steps
+    measured = {s: eval_sft_checkpoint(cfg, paths, "student", s, "val")["f1"] for s in cfg.student_eval_steps}
     lo, hi = cfg.student_f1_band
     inside = [s for s, f1 in measured.items() if lo <= f1 <= hi]
     if not inside:
