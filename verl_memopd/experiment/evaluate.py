@@ -92,6 +92,7 @@ def chosen_student(cfg: ExperimentConfig, paths: Paths) -> int:
 def stage_eval(cfg: ExperimentConfig, paths: Paths) -> None:
     """Evaluate what the arms and the report need; every eval is cached in ``eval/``."""
     step = chosen_student(cfg, paths)
+    paths.evals().mkdir(parents=True, exist_ok=True)
     (paths.evals() / "student_choice.json").write_text(json.dumps({"step": step}) + "\n")
     if not cfg.final_evals:
         return
