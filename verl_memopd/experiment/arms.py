@@ -30,7 +30,7 @@ def arm_command(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, studen
         f"data.train_batch_size={a.episodes_per_step}", f"data.val_batch_size={cfg.n_val}",
         f"actor_rollout_ref.rollout.n={a.samples_per_episode}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={a.episodes_per_step}",
-        f"actor_rollout_ref.actor.optim.lr={a.lr}",
+        f"actor_rollout_ref.actor.optim.lr={a.lr}", f"critic.optim.lr={a.lr}",  # the value head starts random
         f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}",
         "actor_rollout_ref.rollout.enable_prefix_caching=false",
         f"trainer.total_training_steps={a.steps}", f"trainer.test_freq={a.val_every}",

@@ -46,7 +46,10 @@ class SftConfig:
 
 @dataclass(frozen=True)
 class ArmsConfig:
-    """The matched RL arms: same data order, rollout seeds, steps, batch, lr, alpha, beta for each."""
+    """The matched RL arms: same data order, rollout seeds, steps, batch, lr, alpha, beta for each.
+
+    ``lr`` is the actor's and the critic's (verl's critic default, 1e-5, leaves the random value head near
+    its start for the whole run)."""
 
     steps: int
     val_every: int
