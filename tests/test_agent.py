@@ -8,6 +8,7 @@ its extra fields are what verl and the MemOPD trainer consume.
 
 import asyncio
 import copy
+from dataclasses import fields
 
 import hydra
 import pytest
@@ -24,7 +25,7 @@ from verl_memopd.packing import pack_episode
 from verl_memopd.records import Episode
 from verl_memopd.tasks.dataset import AGENT_NAME, to_row
 from verl_memopd.tasks.generator import corpus, generate, get_preset
-from verl_memopd.tasks.prompts import MemoryPrompts, format_answers
+from verl_memopd.tasks.prompts import CALL_FIELDS, DATA_FIELDS, MemoryPrompts, format_answers
 
 EOS = "<|im_end|>"
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
@@ -248,6 +249,15 @@ def test_config_overrides_prompts_and_refuses_unknown_keys(tokenizer):
     server = FakeServer(_script(tokenizer, ["a", "b"]))
     _run(tokenizer, server, _row(), _config(prompts={"memory_header": "Notes:"}))
     assert tokenizer.decode(server.requests[0]["prompt_ids"]).count("Notes:\n(empty)") == 1
+
+
+@pytest.mark.parametrize("key", DATA_FIELDS)
+def test_config_refuses_the_prompt_fields_that_live_in_the_data(key):
+    # q (task text + questions) comes from the dataset row: a run-time value would be ignored silently
+    with pytest.raises(ValueError, match=rf"memopd.agent.prompts.{key}: not a run-time option .*dataset row.*--task"):
+        MemoryAgentConfig.from_mapping({"prompts": {key: "Read carefully."}})
+    assert set(DATA_FIELDS) | set(CALL_FIELDS) == {f.name for f in fields(MemoryPrompts)}
+    assert not set(DATA_FIELDS) & set(CALL_FIELDS)
 
 
 def test_generation_config_eos_ids_are_stop_ids(tokenizer, tmp_path):
