@@ -8,6 +8,7 @@ its extra fields are what verl and the MemOPD trainer consume.
 
 import asyncio
 import copy
+from dataclasses import fields
 
 import hydra
 import pytest
@@ -24,7 +25,7 @@ from verl_memopd.packing import pack_episode
 from verl_memopd.records import Episode
 from verl_memopd.tasks.dataset import AGENT_NAME, to_row
 from verl_memopd.tasks.generator import corpus, generate, get_preset
-from verl_memopd.tasks.prompts import MemoryPrompts, format_answers
+from verl_memopd.tasks.prompts import CALL_FIELDS, DATA_FIELDS, MemoryPrompts, format_answers
 
 EOS = "<|im_end|>"
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
@@ -250,6 +251,15 @@ def test_config_overrides_prompts_and_refuses_unknown_keys(tokenizer):
     assert tokenizer.decode(server.requests[0]["prompt_ids"]).count("Notes:\n(empty)") == 1
 
 
+@pytest.mark.parametrize("key", DATA_FIELDS)
+def test_config_refuses_the_prompt_fields_that_live_in_the_data(key):
+    # q (task text + questions) comes from the dataset row: a run-time value would be ignored silently
+    with pytest.raises(ValueError, match=rf"memopd.agent.prompts.{key}: not a run-time option .*dataset row.*--task"):
+        MemoryAgentConfig.from_mapping({"prompts": {key: "Read carefully."}})
+    assert set(DATA_FIELDS) | set(CALL_FIELDS) == {f.name for f in fields(MemoryPrompts)}
+    assert not set(DATA_FIELDS) & set(CALL_FIELDS)
+
+
 def test_generation_config_eos_ids_are_stop_ids(tokenizer, tmp_path):
     from transformers import GenerationConfig
 
@@ -317,7 +327,7 @@ def _converted_rows(tokenizer, n, chunk_tokens=32):
 # --- real vLLM CPU rollouts through verl's own server (slow) --------------------------------
 # The rollout runs in a subprocess (this file's __main__ block): verl resolves its platform once
 # per process and vLLM/Ray want a clean process, so VERL_PLATFORM=cpu is set before verl loads.
-# It runs on the CPU platform (``+profile=cpu``, ``verl_runs.launcher.cpu_env``) with the tiny student.
+# It runs on the CPU platform (``+profile=cpu``, ``verl_memopd.launching.cpu_env``) with the tiny student.
 VLLM_BUDGETS = {"memory_tokens": 24, "answer_tokens": 16}
 VLLM_EPISODES = 6
 VLLM_CONVERTED = 2  # episodes of converted MemAgent-style rows (tasks convert), run on the same server
@@ -407,7 +417,7 @@ def vllm_runs(tiny_models, tmp_path_factory):
     import subprocess
     import sys
 
-    from verl_runs.launcher import cpu_env
+    from verl_memopd.launching import cpu_env
 
     tmp = tmp_path_factory.mktemp("vllm")
     out = tmp / "runs.json"

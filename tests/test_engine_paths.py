@@ -25,15 +25,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from tensordict import TensorDict
-from transformers import Qwen2ForCausalLM
 from verl.utils import tensordict_utils as tu
 from verl.utils.torch_functional import entropy_from_logits
 from verl.workers.engine.fsdp import transformer_impl
 
-from verl_memopd.attention import attention_implementation, hf_name
+from verl_memopd.attention import attention_implementation
 from verl_memopd.packing import pack_episode
 from verl_memopd.rce import TOLERANCES, EpisodeShape, random_episodes
-from verl_memopd.tiny import student_config
+from verl_memopd.tiny import student_model
 from verl_memopd.trainer.calls import calls_alone
 from verl_memopd.trainer.engine import MemopdLMEngine
 from verl_memopd.trainer.rows import SEGMENT_IDS
@@ -44,10 +43,7 @@ SHAPE = EpisodeShape(prefix_len=(4, 12), chunk_len=(1, 6), response_len=(1, 6))
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    m = Qwen2ForCausalLM(student_config(vocab_size=VOCAB)).eval()
-    m.set_attn_implementation(hf_name("torch"))
-    return m
+    return student_model(VOCAB, attention="torch")
 
 
 @pytest.fixture(autouse=True)

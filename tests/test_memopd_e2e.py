@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_runs.launcher import cpu_env, non_finite, run_command
+from verl_memopd.launching import cpu_env
+from verl_runs.launcher import non_finite, run_command
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "quickstart_cpu.sh"

@@ -5,8 +5,6 @@ import re
 
 import pytest
 import torch
-from transformers import Qwen2ForCausalLM
-
 from transformers import AttentionInterface
 
 from verl_memopd import rce
@@ -14,7 +12,7 @@ from verl_memopd.attention import BACKENDS, HF_NAMES, attention_implementation, 
 from verl_memopd.packing import build_layout
 from verl_memopd.rce import EpisodeShape, random_episodes, rce_audit, reference_logits, reversed_block_packer, self_test
 from verl_memopd.records import Episode
-from verl_memopd.tiny import student_config
+from verl_memopd.tiny import student_model
 
 VOCAB = 256
 SHAPE = EpisodeShape(prefix_len=(4, 24), chunk_len=(1, 12), response_len=(1, 10))
@@ -22,8 +20,7 @@ SHAPE = EpisodeShape(prefix_len=(4, 24), chunk_len=(1, 12), response_len=(1, 10)
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(student_config(vocab_size=VOCAB)).eval()
+    return student_model(VOCAB)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

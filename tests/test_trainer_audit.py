@@ -8,13 +8,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDict
-from transformers import Qwen2ForCausalLM
 
 from verl_memopd.attention import BACKENDS, attention_implementation, hf_name, scoped_backend
 from verl_memopd.packing import pack_episode
 from verl_memopd.rce import EpisodeShape, random_episodes
 from verl_memopd.segments import segment_meta
-from verl_memopd.tiny import student_config
+from verl_memopd.tiny import student_model
 from verl_memopd.trainer.audit import (
     RCE_FIELD,
     RCE_TOLERANCE_FIELD,
@@ -39,10 +38,7 @@ RECIPE = Path(__file__).resolve().parents[1] / "hydra_configs" / "recipe" / "mem
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    m = Qwen2ForCausalLM(student_config(vocab_size=VOCAB)).eval()
-    m.set_attn_implementation(hf_name("torch"))
-    return m
+    return student_model(VOCAB, attention="torch")
 
 
 def _rows(n, seed, flat=False):

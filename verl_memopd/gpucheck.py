@@ -53,9 +53,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -66,9 +64,11 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from verl_memopd.launching import offline_env, parse_steps, run_bounded
+
 __all__ = ["NO_CUDA_STATUS", "OLD_DRIVER_STATUS", "ModelShape", "QWEN_3B", "CudaVersions", "cuda_versions",
            "driver_check", "plain_bf16_attention", "attention_check", "rce_check", "packing_check", "kl_check",
-           "train_command", "parse_step_metrics", "train_result", "train_check", "summary_line", "main"]
+           "train_command", "train_result", "train_check", "summary_line", "main"]
 
 #: Exit status when no CUDA device is visible (distinct from a failed check, 1).
 NO_CUDA_STATUS = 3
@@ -370,33 +370,9 @@ def train_command(student: Path, teacher: Path, data: Path, workdir: Path, steps
     ]
 
 
-_STEP_RE = re.compile(r"step:(\d+) - (.*)$")
-_NUMBER_RE = re.compile(r"^(?:np\.\w+\()?([-+0-9.eEinfa]+)\)?$")
-
-
-def parse_step_metrics(log: str) -> dict[int, dict[str, float]]:
-    """verl's console step lines (``step:N - key:value - ...``) -> ``{step: {metric: value}}``, numbers only."""
-    steps: dict[int, dict[str, float]] = {}
-    for line in log.splitlines():
-        m = _STEP_RE.search(line)
-        if not m:
-            continue
-        metrics = {}
-        for item in m.group(2).split(" - "):
-            key, _, raw = item.partition(":")
-            num = _NUMBER_RE.match(raw.strip())
-            if num:
-                try:
-                    metrics[key.strip()] = float(num.group(1))
-                except ValueError:
-                    pass
-        steps[int(m.group(1))] = metrics
-    return steps
-
-
 def train_result(returncode: int, log: str, wall_s: float, steps: int = TRAIN_STEPS) -> dict:
     """Judge a finished training run from its exit status and log (see the module docstring)."""
-    parsed = parse_step_metrics(log)
+    parsed = parse_steps(log)
     last = parsed.get(steps, {})
     missing = sorted({k for m in parsed.values() for k in TRAIN_METRICS if k not in m})
     non_finite = sorted({k for m in parsed.values() for k, x in m.items() if not math.isfinite(x)})
@@ -418,21 +394,9 @@ def train_result(returncode: int, log: str, wall_s: float, steps: int = TRAIN_ST
 def train_check(workdir: Path, timeout_s: float, steps: int = TRAIN_STEPS) -> dict:
     """Run ``train_command`` as a subprocess in its own process group, killed (with its Ray) at ``timeout_s``."""
     student, teacher, data = prepare_tiny(workdir)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
-           "PYTHONUNBUFFERED": "1"}
-    start = time.monotonic()
-    proc = subprocess.Popen(train_command(student, teacher, data, workdir, steps), cwd=workdir, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout_s)
-        rc = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        rc = -signal.SIGKILL
-        log += f"\n[gpucheck] killed after the {timeout_s:.0f}s timeout\n"
-    (workdir / "train.log").write_text(log)
-    return train_result(rc, log, time.monotonic() - start, steps)
+    run = run_bounded(train_command(student, teacher, data, workdir, steps), workdir, offline_env(), timeout_s,
+                      workdir / "train.log", who="gpucheck")
+    return train_result(run.returncode, run.log, run.wall_s, steps)
 
 
 def _line(name: str, result: dict, keys: Sequence[str]) -> str:

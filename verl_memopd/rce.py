@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from verl_memopd.attention import BACKENDS, attention_implementation, forward_layout, hf_name, scoped_backend
 from verl_memopd.packing import BatchLayout, build_layout, pack_episode
@@ -302,15 +301,14 @@ def self_test(model: torch.nn.Module, episodes: Sequence[Episode]) -> SelfTest:
 
 
 def _load_model(path: Optional[str], seed: int, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if path is not None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     else:
-        from verl_memopd.tiny import student_config
+        from verl_memopd.tiny import student_model
 
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(student_config()).to(dtype)
+        model = student_model(seed=seed).to(dtype)
     return model.to(device).eval()
 
 

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TinyPaths", "student_config", "teacher_config", "build_tokenizer", "build", "main"]
+__all__ = ["TinyPaths", "student_config", "teacher_config", "student_model", "build_tokenizer", "build", "main"]
 
 PAD, BOS_CHAT, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, BOS_CHAT, EOS]
@@ -72,6 +72,24 @@ def student_config(vocab_size: int = VOCAB_SIZE):
 def teacher_config(vocab_size: int = VOCAB_SIZE):
     """The tiny teacher: 4 layers, hidden 256, 8 heads (head_dim 32), 4 KV heads."""
     return _qwen2_config(vocab_size, hidden=256, layers=4, heads=8, kv_heads=4, seed_name="memopd-tiny-teacher")
+
+
+def student_model(vocab_size: int = VOCAB_SIZE, seed: int = 0, attention: str | None = None):
+    """The tiny student in memory, untrained: fp32, eval mode, weights drawn from ``seed``.
+
+    ``attention``: a ``verl_memopd.attention`` backend name (``"torch"``, ...) so packed layouts run, or
+    None for transformers' default (sdpa). For tests and self-checks; :func:`build` writes models to disk.
+    """
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(student_config(vocab_size)).eval()
+    if attention is not None:
+        from verl_memopd.attention import hf_name
+
+        model.set_attn_implementation(hf_name(attention))
+    return model
 
 
 def build_tokenizer(seed: int = 0, vocab_size: int = VOCAB_SIZE):

@@ -35,8 +35,10 @@ call index) -- a resumed run then samples what the uninterrupted run sampled (ve
 loop passes ``global_steps`` and ``session_id``; without them calls are not seeded);
 ``stop_token_ids`` ([]) extra stop ids -- the tokenizer's eos and the eos ids of the
 model's generation config (``actor_rollout_ref.model.path``; vLLM stops on those too) are always
-stop ids; ``prompts`` ({}) overrides of ``MemoryPrompts`` fields. A call that ends early on a
-token outside this set raises (its last token would otherwise be kept as memory). Rollout requirements: ``actor_rollout_ref.rollout.calculate_log_probs=True``;
+stop ids; ``prompts`` ({}) overrides of the per-call ``MemoryPrompts`` fields (``CALL_FIELDS``;
+``task`` and ``questions_header`` are part of ``q``, written into the data when it is built, and are
+refused here). A call that ends early on a token outside this set raises (its last token would
+otherwise be kept as memory). Rollout requirements: ``actor_rollout_ref.rollout.calculate_log_probs=True``;
 ``prompt_length`` >= |q| and ``response_length`` >= the packed response (both checked).
 """
 
@@ -57,7 +59,7 @@ from verl_memopd.agent.context import CallContext
 from verl_memopd.packing import pack_episode
 from verl_memopd.records import Episode, Invocation
 from verl_memopd.tasks.dataset import AGENT_NAME, TaskRow, parse_row
-from verl_memopd.tasks.prompts import MemoryPrompts, parse_answers
+from verl_memopd.tasks.prompts import CALL_FIELDS, DATA_FIELDS, MemoryPrompts, parse_answers
 from verl_memopd.tasks.reward import score_answers
 
 __all__ = ["MemoryAgentConfig", "MemoryAgentLoop", "EXTRA_EPISODE", "EXTRA_POSITION_IDS", "EXTRA_SEGMENT_IDS",
@@ -93,11 +95,18 @@ class MemoryAgentConfig:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"memopd.agent: unknown keys {unknown}; valid: {sorted(known)}")
-        prompt_keys = {f.name for f in fields(MemoryPrompts)}
-        bad = sorted(set(raw.get("prompts") or {}) - prompt_keys)
+        prompts = dict(raw.get("prompts") or {})
+        for key in DATA_FIELDS:
+            if key in prompts:
+                raise ValueError(
+                    f"memopd.agent.prompts.{key}: not a run-time option -- the agent reads q (the task text and "
+                    f"the questions) from the dataset row's `prompt`, written when the data is built "
+                    f"(python -m verl_memopd.tasks convert --task TEXT; MemoryPrompts.{key} in "
+                    f"verl_memopd/tasks/prompts.py); run-time keys: {list(CALL_FIELDS)}")
+        bad = sorted(set(prompts) - set(CALL_FIELDS))
         if bad:
-            raise ValueError(f"memopd.agent.prompts: unknown keys {bad}; valid: {sorted(prompt_keys)}")
-        return cls(**{**raw, "prompts": MemoryPrompts(**(raw.get("prompts") or {}))})
+            raise ValueError(f"memopd.agent.prompts: unknown keys {bad}; valid: {sorted(CALL_FIELDS)}")
+        return cls(**{**raw, "prompts": MemoryPrompts(**prompts)})
 
 
 def request_seed(key: str) -> int:

@@ -11,6 +11,8 @@ import re
 import sys
 from pathlib import Path
 
+from verl_memopd.launching import parse_steps
+
 __all__ = ["SHARED", "main_ppo", "parse_steps", "val_scores"]
 
 #: settings common to every main_ppo run of the experiment (CPU sizes, from recipes/quickstart_cpu.sh)
@@ -30,32 +32,6 @@ SHARED = (
 def main_ppo(*overrides: str) -> list[str]:
     """``python -m verl.trainer.main_ppo`` with the shared settings, then ``overrides`` (which win)."""
     return [sys.executable, "-m", "verl.trainer.main_ppo", *SHARED, *overrides]
-
-
-_STEP = re.compile(r"step:(\d+) - (.*)$")
-_NUMBER = re.compile(r"^(?:np\.\w+\()?([-+0-9.eEinfa]+)\)?$")
-
-
-def parse_steps(log: str) -> dict[int, dict[str, float]]:
-    """verl's console step lines (``step:N - key:value - ...``) -> ``{step: {metric: value}}``, numbers only.
-
-    Lines of one step are merged (verl prints the validation metrics of step 0 on their own line).
-    """
-    steps: dict[int, dict[str, float]] = {}
-    for line in log.splitlines():
-        m = _STEP.search(line)
-        if not m:
-            continue
-        metrics = steps.setdefault(int(m.group(1)), {})
-        for item in m.group(2).split(" - "):
-            key, _, raw = item.partition(":")
-            num = _NUMBER.match(raw.strip())
-            if num:
-                try:
-                    metrics[key.strip()] = float(num.group(1))
-                except ValueError:
-                    pass
-    return steps
 
 
 def val_scores(metrics: dict[str, float]) -> dict[str, float] | None:

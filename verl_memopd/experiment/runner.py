@@ -14,20 +14,9 @@ import subprocess
 import time
 from pathlib import Path
 
+from verl_memopd.launching import cpu_env
+
 __all__ = ["cpu_env", "run_checked", "run_logged", "heavy", "heavy_wall_s"]
-
-
-def cpu_env(workdir: Path) -> dict[str, str]:
-    """Environment of a verl CPU run: cpu platform, offline hubs, caches inside ``workdir``."""
-    env = dict(os.environ)
-    env.update(
-        VERL_PLATFORM="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled",
-        TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1",
-        HF_HOME=str(workdir / "cache" / "hf"), VLLM_CACHE_ROOT=str(workdir / "cache" / "vllm"),
-        TRITON_CACHE_DIR=str(workdir / "cache" / "triton"),
-        RAY_TMPDIR="/tmp/ray_memopd",  # Ray needs a short path for its sockets
-    )
-    return env
 
 
 #: printed by a heavy command once it holds the lock (epoch seconds): its own wall time starts there

@@ -9,8 +9,10 @@ and the reward (answer parsing), so all four agree::
     answer call (user)         "Memory:\\n<memory>\\n\\n<answer instruction>"
     answer (assistant)         "1: Velora\\n2: Zentek Labs"
 
-Every field has a default and can be overridden from the agent's config (``prompts:``); the
-dataset prompt ``q`` is fixed when the dataset is built.
+Every field has a default. ``task`` and ``questions_header`` (``DATA_FIELDS``) go into ``q`` and
+are fixed when the dataset is built (``python -m verl_memopd.tasks convert --task TEXT``); the
+agent loop reads ``q`` from the row's ``prompt`` and refuses them in its config. The per-call
+fields (``CALL_FIELDS``) are set when training (``memopd.agent.prompts``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["MemoryPrompts", "format_answers", "parse_answers"]
+__all__ = ["CALL_FIELDS", "DATA_FIELDS", "MemoryPrompts", "format_answers", "parse_answers"]
+
+DATA_FIELDS = ("task", "questions_header")
+CALL_FIELDS = ("memory_header", "empty_memory", "chunk_header", "write_instruction", "answer_instruction")
 
 _ANSWER_LINE = re.compile(r"^\s*(\d+)\s*[:.)]\s*(.*?)\s*$")
 
@@ -53,8 +58,7 @@ class MemoryPrompts:
     answer_instruction: str = "Answer every question, one line each, as <number>: <answer>."
 
     def __post_init__(self) -> None:
-        for name in ("task", "questions_header", "memory_header", "empty_memory", "chunk_header",
-                     "write_instruction", "answer_instruction"):
+        for name in DATA_FIELDS + CALL_FIELDS:
             if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
                 raise ValueError(f"MemoryPrompts.{name} must be a non-empty string")
         try:
