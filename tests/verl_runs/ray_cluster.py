@@ -162,10 +162,11 @@ class LoopbackCluster:
                 f"--dashboard-agent-grpc-port={grpc}", f"--runtime-env-agent-port={runtime_env}",
                 f"--metrics-export-port={metrics}", "--disable-usage-stats"]
 
-    def start_head(self) -> None:
+    def start_head(self, wait: bool = True) -> None:
         self.nodes.append(RayNode("head", [*self.head_args, *self._node_args(0)], self.short / "head", self.env,
                                   self.tmp / "ray_head.log"))
-        self.wait_nodes(1)
+        if wait:
+            self.wait_nodes(1)
 
     def start_second(self) -> RayNode:
         """Start (or restart) the second node without waiting for it (see ``wait_nodes``)."""
@@ -214,6 +215,22 @@ class LoopbackCluster:
         proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
         self.followers.append(proc)
         return proc
+
+    def driver_log(self, job_id: str) -> Path:
+        """The job's driver log on the head node (what ``ray job logs`` serves, without the CLI's delay)."""
+        return self.nodes[0].temp_dir / "session_latest" / "logs" / f"job-driver-{job_id}.log"
+
+    @staticmethod
+    def wait_until(condition: Callable[[], bool], timeout_s: float, follower: subprocess.Popen,
+                   poll_s: float = 0.25) -> bool:
+        """True as soon as ``condition()`` holds; False once ``follower`` (the job) has ended or ``timeout_s``
+        passed without it."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and follower.poll() is None:
+            if condition():
+                return True
+            time.sleep(poll_s)
+        return condition()
 
     def wait_job(self, job_id: str, timeout_s: float, follower: subprocess.Popen | None = None,
                  until: Callable[[], bool] | None = None, ask_every_s: float = 60) -> tuple[str, str]:
