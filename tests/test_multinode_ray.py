@@ -22,9 +22,10 @@ The fault a cluster user fears most, then the way back:
 
 1. job A (a checkpoint every step): once step 1 is logged (its checkpoint is written before the
    step's line), the second node's Ray is killed by process id, early in step 2. The job must end
-   FAILED within ``FAIL_WITHIN_S`` and its log must name the lost node (its id: the trainer's node
-   watchdog, verl_memopd/trainer/watchdog.py) or Ray's dead-worker error; the step-1 checkpoint must
-   be complete (both FSDP ranks' shards of actor and critic, the tracker file).
+   FAILED within ``FAIL_WITHIN_S`` (no hang, no step 2) and its log must name the lost node (its id:
+   the trainer's node watchdog, verl_memopd/trainer/watchdog.py) or a worker it held (Ray's
+   ActorUnavailableError / ActorDiedError name the actor; the state API places it on that node);
+   the step-1 checkpoint must be complete (both FSDP ranks' shards of actor and critic, the tracker).
 2. the second node restarts; job B, the same submission plus ``trainer.resume_mode=auto``, resumes
    from that checkpoint, runs step 2 and SUCCEEDS. Its actor, critic and teacher calls ran on both
    nodes (Ray's state API: task name -> node) and the ``memopd/*`` metrics were logged.
@@ -90,6 +91,22 @@ def role_placement(tasks: list[dict], marker: dict[str, str]) -> dict[str, set[s
             if method.startswith(prefix + "_") and task.get("node_id"):
                 placed[role].add(marker.get(task["node_id"], task["node_id"]))
     return placed
+
+
+def failure_lines(text: str, node_id: str, actors: dict[str, str]) -> list[str]:
+    """The lines of a failed job's log that name the lost node or one of the ``actors`` (id -> class) it held --
+    Ray's ActorUnavailableError / ActorDiedError name the actor, the node watchdog names the node."""
+    return list(dict.fromkeys(line.strip()[:400] for line in text.splitlines()
+                              if node_id in line or any(actor in line for actor in actors)))
+
+
+def test_failure_lines_name_the_lost_node_or_its_actors():
+    text = ("step:1 - x:1\n"
+            "ray.exceptions.ActorUnavailableError: The actor 306b02000000 is unavailable: Socket closed\n"
+            "[verl-memopd] node watchdog: Ray node(s) ab12 (10.0.0.2) holding this run's workers died\n"
+            "ray.exceptions.ActorUnavailableError: The actor 306b02000000 is unavailable: Socket closed\n")
+    assert failure_lines(text, "ab12", {"306b02000000": "TaskRunnerV1"}) == text.splitlines()[1:3]
+    assert failure_lines(text, "cd34", {"ffff02000000": "WorkerDict"}) == []
 
 
 def test_role_placement_is_read_from_verl_task_names():
@@ -209,11 +226,12 @@ def test_memopd_job_across_two_ray_nodes_survives_losing_one(tmp_path):
                                     f"was killed (FAILED expected within {FAIL_WITHIN_S}s):\n{tail(logs_a)}\n"
                                     f"{answer[-3000:]}")
         assert sorted(parse_steps(logs_a)) == [1], f"step 2 should have died with the node:\n{tail(logs_a)}"
-        names = [line.strip() for line in (logs_a + answer).splitlines()
-                 if second_id in line or re.search(r"ActorDiedError|node has died|died unexpectedly", line)]
-        assert names, f"the failure names neither the lost node {second_id} nor a dead worker:\n{tail(logs_a)}"
-        print(f"multinode: job A {status} {times['job A end after the kill']:.0f}s after losing the second node "
-              f"{second_id}; lines naming it:\n  " + "\n  ".join(dict.fromkeys(n[:400] for n in names[:8])))
+        lost = {a["actor_id"]: a["class_name"] for a in cluster.actors() if a.get("node_id") == second_id}
+        names = failure_lines(logs_a + answer, second_id, lost)
+        assert names, (f"the failure names neither the lost node {second_id} nor one of its workers "
+                       f"{sorted(lost.values())}:\n{tail(logs_a)}")
+        print(f"multinode: job A {status} {times['job A end after the kill']:.0f}s after losing node {second_id} "
+              f"(actors there: {lost}); the failure says:\n  " + "\n  ".join(names[:6]))
 
         # the step-1 checkpoint is complete: both ranks' shards of actor and critic, and the tracker
         assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
