@@ -30,10 +30,12 @@ The fault a cluster user fears most, then the way back:
    from that checkpoint, runs step 2 and SUCCEEDS. Its actor, critic and teacher calls ran on both
    nodes (Ray's state API: task name -> node) and the ``memopd/*`` metrics were logged.
 
-It also covers what the stock-GRPO two-node test did (a verl job submitted with ``ray job submit`` to
-two loopback nodes, its workers on both). Lean on purpose (CI has a 35-minute budget): one episode
-per rank and step, one reward worker, no dataloader workers, no validation, no audit. ~2 x (4-5 min
-start-up of 2 vLLM-CPU replicas and 2 FSDP ranks on 2 shared cores) plus ~1 min of steps.
+It also covers what the former stock-GRPO two-node test checked (a verl job submitted with
+``ray job submit`` to two loopback nodes, its workers on both). Lean on purpose (CI has a 35-minute
+budget): one episode per rank and step, one reward worker, no dataloader workers, no validation, no
+audit. ~9 min on 2 shared cores (measured 531 s: nodes and models 49 s, job A to step 1 197 s, its
+failure 28 s after the kill, job B 226 s): each job's start-up (2 vLLM-CPU replicas, 2 FSDP ranks, ~15
+worker processes each importing verl) is ~3.5 min; the steps take ~10-35 s.
 """
 
 from __future__ import annotations

@@ -202,12 +202,6 @@ class LoopbackCluster:
         out, err = ray_cli(["job", "status", job_id, "--address", self.dashboard], self.env)
         return parse_job_status(job_id, out + err), out + err
 
-    def submit(self, job_id: str, entrypoint: list[str], env_vars: dict[str, str]) -> None:
-        """``ray job submit --no-wait`` of ``entrypoint`` with ``env_vars`` as its runtime_env."""
-        self.jobs.append(job_id)
-        ray_cli(["job", "submit", "--address", self.dashboard, "--no-wait", f"--submission-id={job_id}",
-                 "--runtime-env-json", json.dumps({"env_vars": env_vars}), "--", *entrypoint], self.env)
-
     def follow(self, job_id: str, cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
         """Run ``cmd`` -- a script that runs ``ray job submit`` (without ``--no-wait``) for ``job_id`` and so
         follows the job's log until it ends -- writing its output to ``log``."""
@@ -233,9 +227,9 @@ class LoopbackCluster:
         return condition()
 
     def wait_job(self, job_id: str, timeout_s: float, follower: subprocess.Popen | None = None,
-                 until: Callable[[], bool] | None = None, ask_every_s: float = 60) -> tuple[str, str]:
-        """Wait until the job ends (its ``follower`` exits or the cluster says so), ``until()`` holds, or
-        ``timeout_s`` passes; then (status, CLI answer) from the cluster."""
+                 ask_every_s: float = 60) -> tuple[str, str]:
+        """Wait until the job ends (its ``follower`` exits or the cluster says so) or ``timeout_s`` passes;
+        then (status, CLI answer) from the cluster."""
         start = time.monotonic()
         asked = start
         while True:
@@ -245,7 +239,7 @@ class LoopbackCluster:
                 if status in JOB_ENDED:
                     return status, answer
                 follower = None  # the follower lost the log stream: fall back to asking
-            if (until and until()) or now - start > timeout_s:
+            if now - start > timeout_s:
                 return self.job_status(job_id)
             if now - asked > ask_every_s:
                 asked = now
