@@ -74,8 +74,7 @@ TWO_NODES = ("memopd.teacher.placement=colocate", "trainer.n_gpus_per_node=1",
 LEAN = ("trainer.test_freq=-1", "trainer.val_before_train=false", "memopd.audit.every_n_steps=0", "data.seed=0",
         # 2 episodes a step, one per rank; micro-batches of 1 row divide any per-rank share
         "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1", "critic.ppo_micro_batch_size_per_gpu=1",
-        "reward.num_workers=1", "data.dataloader_num_workers=0")  # verl's defaults start 8 of each
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1", "critic.ppo_micro_batch_size_per_gpu=1")
 JOB_A = ("trainer.total_training_steps=3", "trainer.save_freq=1")
 JOB_B = ("trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.resume_mode=auto")
 
