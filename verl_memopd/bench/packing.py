@@ -206,7 +206,9 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="|q| = R x the mean call block (default: SHAPE's q of 256-320 tokens, ~2.7x)")
     p.add_argument("--calls", type=int, default=None, help="calls per episode (default: SHAPE's 4-6)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant (default 1)")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per variant; median reported (default 5)")
+    p.add_argument("--repeats", type=int, default=9,
+                   help="timed rounds, one step per variant each; medians reported (default 9: single steps "
+                        "on a loaded 2-core machine move by +-15%%)")
     p.add_argument("--seed", type=int, default=0, help="seed of episodes and weights (default 0)")
     p.add_argument("--backend", default="torch", choices=sorted(BACKENDS), help="packed attention backend")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
