@@ -60,6 +60,26 @@ def test_torch_backend_matches_dense_masked_attention_and_gradients(seed):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
 
 
+def test_torch_backend_runs_on_sdpa_fused_kernel():
+    """Each segment reaches SDPA as a 4-D batch of one, so the fused kernel (CPU flash attention) takes it:
+    restricted to that kernel, a 3-D call or a shape it refuses raises 'No available kernel'."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator().manual_seed(3)
+    seg, row = _random_stream(gen)
+    meta = segment_meta(seg, row)
+    assert any(kb - ka > qb - qa for qa, qb, ka, kb in meta.bounds)  # masked (bottom-right) and square segments
+    n, d = seg.numel(), 16
+    q, k, v = (torch.randn(n, h, d, generator=gen, requires_grad=True) for h in (4, 2, 2))
+    args = (q, k[meta.key_index], v[meta.key_index], meta, d ** -0.5, 0.0)
+    with sdpa_kernel([SDPBackend.MATH]):
+        ref = get_backend("torch")(*args)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        out = get_backend("torch")(*args)
+        out.sum().backward()
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)

@@ -1,12 +1,13 @@
 """Packing benchmark: the work formula, the dispatcher, and the final line."""
 
 import re
+import statistics
 
 import pytest
 import torch
 
 from verl_memopd.bench import __main__ as bench
-from verl_memopd.bench.packing import group_stream, grouped_episodes, layout_work
+from verl_memopd.bench.packing import group_stream, grouped_episodes, layout_work, paired_ratio
 from verl_memopd.packing import build_layout
 from verl_memopd.rce import EpisodeShape, random_episodes
 from verl_memopd.tiny import teacher_config
@@ -65,3 +66,13 @@ def test_grouped_episodes_share_one_prompt_and_the_group_stream_stores_it_once()
     assert stream.input_ids.numel() == layout.input_ids.numel() - 2 * 10
     assert torch.equal(stream.input_ids.reshape(-1)[stream.predictors], layout.input_ids.reshape(-1)[layout.action_index])
     assert layout_work(stream, CONFIG) < layout_work(layout, CONFIG)
+
+
+def test_paired_ratio_is_the_median_of_same_round_ratios():
+    # round 2 ran 3x slower for both variants, round 3 for the baseline only: same-round ratios 2, 2, 6 -> 2,
+    # where the ratio of the medians (6 / 1) would say 6
+    times = {"base": [2.0, 6.0, 6.0], "target": [1.0, 3.0, 1.0]}
+    assert paired_ratio(times, "base", "target") == pytest.approx(2.0)
+    assert statistics.median(times["base"]) / statistics.median(times["target"]) == pytest.approx(6.0)
+    with pytest.raises(ValueError):
+        paired_ratio({"base": [1.0], "target": [1.0, 2.0]}, "base", "target")

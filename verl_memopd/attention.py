@@ -134,15 +134,21 @@ def _hf_attention(backend: str) -> Callable:
 @register_backend("torch")
 def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SegmentMeta, scale: float,
                      dropout: float) -> torch.Tensor:
-    """Reference: one SDPA per segment (``split`` views, so backward concatenates instead of scattering)."""
+    """Reference: one SDPA per segment (``split`` views, so backward concatenates instead of scattering).
+
+    Each segment runs as a batch of one, ``(1, H, L*, D)``: SDPA's fused kernels (CPU flash attention
+    included) take 4-D inputs only, a 3-D call falls back to the unfused math path (~1.7x slower on CPU
+    at the benchmark's shapes, more memory). Square segments use ``is_causal``; the others an explicit
+    bottom-right causal mask ``(Lq, Lk)``, one per distinct shape.
+    """
     lq = [qb - qa for qa, qb, _, _ in meta.bounds]
     lk = [kb - ka for _, _, ka, kb in meta.bounds]
     gqa = q.shape[1] != k.shape[1]
     masks: dict[tuple[int, int], torch.Tensor] = {}
     outs = []
     for qs, ks, vs in zip(q.split(lq), k.split(lk), v.split(lk)):
-        qs, ks, vs = qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1)  # (H, L*, D)
-        n, m = qs.shape[1], ks.shape[1]
+        qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (qs, ks, vs))  # (1, H, L*, D)
+        n, m = qs.shape[2], ks.shape[2]
         if n == m:  # square: top-left and bottom-right alignment coincide
             o = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scale,
                                                enable_gqa=gqa)
@@ -151,7 +157,7 @@ def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Se
                 masks[(n, m)] = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=masks[(n, m)], dropout_p=dropout, scale=scale,
                                                enable_gqa=gqa)
-        outs.append(o.transpose(0, 1))
+        outs.append(o.squeeze(0).transpose(0, 1))
     return torch.cat(outs)
 
 

@@ -16,10 +16,12 @@ process CPU time on CPU (wall time on an accelerator)::
     ...
     packing speedup_vs_per_call=<x> ideal=<y> efficiency=<x/y>
 
-``speedup_vs_per_call`` = median actor step time of the faster per-call variant / that of
-``packed``. ``ideal`` = the ratio of attention+MLP work implied by the segments, per layer (the
-layer count and the backward's ~2x factor cancel; embeddings and the LM head, identical for both,
-are left out)::
+``speedup_vs_per_call`` = against the faster per-call variant, the median over timed rounds of its
+actor step time / ``packed``'s in the same round (``paired_ratio``: a round runs the variants back to
+back, so a load swing on a shared machine cancels in the round's ratio); the per-variant lines print
+median times and these ratios. ``ideal`` = the ratio of attention+MLP work implied by the segments,
+per layer (the layer count and the backward's ~2x factor cancel; embeddings and the LM head,
+identical for both, are left out)::
 
     work(layout) = sum over segments [ Lq * c_tok + pairs(Lq, Lk) * c_pair ]
     c_tok  = 2 * (H * (Hq*D + 2 * Hkv*D) + Hq*D * H + 3 * H * I)    projections + SwiGLU MLP, FLOPs/token
@@ -49,7 +51,8 @@ from verl_memopd.records import Episode, Invocation
 from verl_memopd.segments import SegmentMeta
 from verl_memopd.trainer.groups import share_prefix
 
-__all__ = ["SHAPE", "Stream", "grouped_episodes", "group_stream", "layout_work", "step_seconds", "main"]
+__all__ = ["SHAPE", "Stream", "grouped_episodes", "group_stream", "layout_work", "round_seconds", "step_seconds",
+           "paired_ratio", "main"]
 
 #: Benchmark episodes: q of 256-320 tokens; blocks = memory (a slice of the previous response)
 #: + a 48-80 token chunk + a 16-48 token response, ~105 tokens on average: q / block ~ 2.7.
@@ -157,12 +160,12 @@ def _step(model: torch.nn.Module, layout: Union[BatchLayout, Stream], impl: str,
     return _clock(device) - start
 
 
-def step_seconds(model: torch.nn.Module, variants: dict[str, tuple[Union[BatchLayout, Stream], str]], warmup: int,
-                 repeats: int, backward: bool = True) -> dict[str, float]:
-    """Median step time per variant ``name -> (layout, attention implementation)``.
+def round_seconds(model: torch.nn.Module, variants: dict[str, tuple[Union[BatchLayout, Stream], str]], warmup: int,
+                  repeats: int, backward: bool = True) -> dict[str, list[float]]:
+    """Step times per variant ``name -> (layout, attention implementation)``: ``repeats`` values each, by round.
 
-    Variants are timed round-robin (one step each per round), so load changes on a shared machine
-    hit all of them alike; the first ``warmup`` rounds are not timed.
+    Variants are timed round-robin (one step each per round, back to back), so load changes on a shared
+    machine hit all of them alike; the first ``warmup`` rounds are not timed.
     """
     times: dict[str, list[float]] = {name: [] for name in variants}
     for round_ in range(warmup + repeats):
@@ -170,7 +173,21 @@ def step_seconds(model: torch.nn.Module, variants: dict[str, tuple[Union[BatchLa
             seconds = _step(model, layout, impl, backward)
             if round_ >= warmup:
                 times[name].append(seconds)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def step_seconds(model: torch.nn.Module, variants: dict[str, tuple[Union[BatchLayout, Stream], str]], warmup: int,
+                 repeats: int, backward: bool = True) -> dict[str, float]:
+    """Median step time per variant (``round_seconds``)."""
+    return {name: statistics.median(t) for name, t in round_seconds(model, variants, warmup, repeats, backward).items()}
+
+
+def paired_ratio(times: dict[str, list[float]], baseline: str, target: str) -> float:
+    """Median over rounds of ``baseline``'s step time / ``target``'s in the same round.
+
+    A round runs every variant once, back to back: a load swing on a shared machine that slows a whole
+    round cancels in its ratio, where it would shift one variant's median and not the other's."""
+    return statistics.median(b / t for b, t in zip(times[baseline], times[target], strict=True))
 
 
 def _timed(build: Callable[[], BatchLayout]) -> tuple[BatchLayout, float]:
@@ -189,7 +206,9 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="|q| = R x the mean call block (default: SHAPE's q of 256-320 tokens, ~2.7x)")
     p.add_argument("--calls", type=int, default=None, help="calls per episode (default: SHAPE's 4-6)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant (default 1)")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per variant; median reported (default 5)")
+    p.add_argument("--repeats", type=int, default=9,
+                   help="timed rounds, one step per variant each; medians reported (default 9: single steps "
+                        "on a loaded 2-core machine move by +-15%%)")
     p.add_argument("--seed", type=int, default=0, help="seed of episodes and weights (default 0)")
     p.add_argument("--backend", default="torch", choices=sorted(BACKENDS), help="packed attention backend")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
@@ -246,14 +265,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     variants = {"per_call_padded": (padded, "sdpa"), "per_call_varlen": (varlen, hf_name(args.backend)),
                 "packed": (packed, hf_name(args.backend))}
-    actor = step_seconds(model, variants, args.warmup, args.repeats)
-    teacher = step_seconds(model, variants, args.warmup, args.repeats, backward=False)
+    actor = round_seconds(model, variants, args.warmup, args.repeats)
+    teacher = round_seconds(model, variants, args.warmup, args.repeats, backward=False)
     for name in variants:
-        print(f"packing: {name:16s} actor fwd+bwd {actor[name] * 1e3:8.1f} ms (packed {actor[name] / actor['packed']:.3f}x)"
-              f"  teacher fwd {teacher[name] * 1e3:8.1f} ms (packed {teacher[name] / teacher['packed']:.3f}x)")
+        print(f"packing: {name:16s} actor fwd+bwd {statistics.median(actor[name]) * 1e3:8.1f} ms "
+              f"(packed {paired_ratio(actor, name, 'packed'):.3f}x)  teacher fwd "
+              f"{statistics.median(teacher[name]) * 1e3:8.1f} ms (packed {paired_ratio(teacher, name, 'packed'):.3f}x)")
     ideal = layout_work(varlen, config) / layout_work(packed, config)
-    t_speedup = min(teacher["per_call_padded"], teacher["per_call_varlen"]) / teacher["packed"]
+    baselines = ("per_call_padded", "per_call_varlen")
+    t_speedup = min(paired_ratio(teacher, name, "packed") for name in baselines)
     print(f"packing teacher_speedup_vs_per_call={t_speedup:.3f} ideal={ideal:.3f} efficiency={t_speedup / ideal:.3f}")
-    speedup = min(actor["per_call_padded"], actor["per_call_varlen"]) / actor["packed"]
+    speedup = min(paired_ratio(actor, name, "packed") for name in baselines)
     print(f"packing speedup_vs_per_call={speedup:.3f} ideal={ideal:.3f} efficiency={speedup / ideal:.3f}")
     return 0
