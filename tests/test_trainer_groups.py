@@ -176,3 +176,23 @@ def test_teacher_hook_catches_the_final_post_norm_hidden_states(model):
                     output_hidden_states=True, use_cache=False)
     handle.remove()
     assert len(caught) == 1 and torch.equal(caught[0], out.hidden_states[-1])
+
+
+def test_critic_value_head_is_drawn_from_the_engine_seed(monkeypatch):
+    """The critic's new value head comes from ``critic.fsdp.seed``: two engines with the same seed (the
+    experiment's matched arms) start from the same head, another seed from another one."""
+    from types import SimpleNamespace
+
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithValueHead
+
+    monkeypatch.setattr(FSDPEngineWithValueHead, "initialize", lambda self: setattr(self, "head", torch.randn(4)))
+    monkeypatch.setattr("verl_memopd.trainer.engine.require_packed_attention", lambda module: None)
+
+    def head(seed: int) -> torch.Tensor:
+        torch.randn(3)  # whatever the process drew before must not matter
+        engine = object.__new__(MemopdValueEngine)
+        engine.engine_config, engine.use_ulysses_sp, engine.module = SimpleNamespace(seed=seed), False, None
+        engine.initialize()
+        return engine.head
+
+    assert torch.equal(head(42), head(42)) and not torch.equal(head(42), head(7))

@@ -228,6 +228,9 @@ class MemopdValueEngine(_PackedRows, FSDPEngineWithValueHead):
 
     def initialize(self):
         patch_verl_valuehead_attention()  # verl 0.9.1 forces flash_attention_2 for value models
+        # the value head is new (random) weights: draw them from the engine's seed (critic.fsdp.seed, verl
+        # default 42), so runs that differ only in an option (the experiment's arms, a resume) share the critic
+        torch.manual_seed(self.engine_config.seed)
         super().initialize()
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
