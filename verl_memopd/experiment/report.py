@@ -40,7 +40,7 @@ def _sft_rows(paths: Paths) -> list[Row]:
     for path in sorted(paths.evals().glob("*_step*_*.json")):
         r = json.loads(path.read_text())
         rows.append(_row(r["role"], 0, r["step"], r["split"], r["f1"], r["em"], wall_s=r["wall_s"]))
-    return rows
+    return sorted(rows, key=lambda r: (r["arm"], r["step"], r["split"]))  # file names sort step 2000 before 500
 
 
 def _arm_rows(arm: str, seed: int, run_dir: Path) -> list[Row]:
