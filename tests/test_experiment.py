@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from verl_memopd.experiment.config import ExperimentConfig, SftConfig, full_config, smoke_config
-from verl_memopd.experiment.launch import parse_steps, val_scores
+from verl_memopd.experiment.launch import val_scores
+from verl_memopd.launching import parse_steps
 from verl_memopd.experiment.report import COLUMNS, read_metrics, summary_lines, write_metrics
 from verl_memopd.experiment.sft import fp32_export, sft_losses
 

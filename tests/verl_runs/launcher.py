@@ -16,7 +16,7 @@ from pathlib import Path
 
 from verl_memopd.launching import cpu_env, parse_steps, run_bounded
 
-__all__ = ["VerlRun", "cpu_env", "non_finite", "parse_steps", "run_command", "run_main_ppo"]
+__all__ = ["VerlRun", "non_finite", "run_command", "run_main_ppo"]
 
 
 @dataclass

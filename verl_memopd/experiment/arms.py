@@ -16,7 +16,8 @@ import time
 from verl_memopd.experiment.config import ARMS, ExperimentConfig, Paths
 from verl_memopd.experiment.evaluate import eval_model
 from verl_memopd.experiment.launch import main_ppo
-from verl_memopd.experiment.runner import cpu_env, heavy, heavy_wall_s, run_logged
+from verl_memopd.experiment.runner import heavy, heavy_wall_s, run_logged
+from verl_memopd.launching import cpu_env
 from verl_memopd.experiment.sft import fp32_export
 
 __all__ = ["arm_command", "run_arm", "stage_arms", "check_arm_overrides"]

@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 
 from verl_memopd.experiment.config import ExperimentConfig, Paths
-from verl_memopd.experiment.launch import main_ppo, parse_steps, read_log, val_scores
-from verl_memopd.experiment.runner import cpu_env, heavy, heavy_wall_s, run_logged
+from verl_memopd.experiment.launch import main_ppo, read_log, val_scores
+from verl_memopd.experiment.runner import heavy, heavy_wall_s, run_logged
+from verl_memopd.launching import cpu_env, parse_steps
 
 __all__ = ["eval_command", "eval_model", "eval_sft_checkpoint", "stage_eval", "chosen_student", "EvalResult"]
 

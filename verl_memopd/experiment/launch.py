@@ -11,9 +11,7 @@ import re
 import sys
 from pathlib import Path
 
-from verl_memopd.launching import parse_steps
-
-__all__ = ["SHARED", "main_ppo", "parse_steps", "val_scores"]
+__all__ = ["SHARED", "main_ppo", "val_scores", "read_log"]
 
 #: settings common to every main_ppo run of the experiment (CPU sizes, from recipes/quickstart_cpu.sh)
 SHARED = (

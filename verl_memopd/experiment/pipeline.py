@@ -22,10 +22,10 @@ import json
 import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 from verl_memopd.experiment.config import ExperimentConfig, Paths
-from verl_memopd.experiment.runner import cpu_env, run_checked
+from verl_memopd.experiment.runner import run_checked
+from verl_memopd.launching import cpu_env
 
 __all__ = ["STAGES", "run_pipeline"]
 

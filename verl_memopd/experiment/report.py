@@ -21,7 +21,8 @@ import statistics
 from pathlib import Path
 
 from verl_memopd.experiment.config import ARMS, ExperimentConfig, Paths
-from verl_memopd.experiment.launch import parse_steps, read_log, val_scores
+from verl_memopd.experiment.launch import read_log, val_scores
+from verl_memopd.launching import parse_steps
 
 __all__ = ["COLUMNS", "collect_rows", "write_metrics", "read_metrics", "summary_lines", "stage_report"]
 

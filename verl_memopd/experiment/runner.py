@@ -14,9 +14,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from verl_memopd.launching import cpu_env
 
-__all__ = ["cpu_env", "run_checked", "run_logged", "heavy", "heavy_wall_s"]
+__all__ = ["run_checked", "run_logged", "heavy", "heavy_wall_s"]
 
 
 #: printed by a heavy command once it holds the lock (epoch seconds): its own wall time starts there

@@ -13,12 +13,12 @@ Hugging Face export.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
 from verl_memopd.experiment.config import SftConfig
 from verl_memopd.experiment.runner import run_logged
+from verl_memopd.launching import parse_steps
 
 __all__ = ["build_sft_data", "sft_command", "run_sft", "fp32_export", "hf_export", "saved_steps", "sft_losses"]
 
@@ -98,20 +98,10 @@ def saved_steps(run_dir: Path) -> list[int]:
 
 
 def sft_losses(log: str) -> dict[int, dict[str, float]]:
-    """``{step: {"train/loss": x, "val/loss": y}}`` from verl's console lines (``step:N - key:value - ...``)."""
-    out: dict[int, dict[str, float]] = {}
-    for line in log.splitlines():
-        m = re.search(r"step:(\d+) - (.*)$", line)  # may follow a tqdm bar on the same line
-        if not m:
-            continue
-        for item in m.group(2).split(" - "):
-            key, _, value = item.partition(":")
-            if key.strip() in ("train/loss", "val/loss"):
-                try:
-                    out.setdefault(int(m.group(1)), {})[key.strip()] = float(value)
-                except ValueError:
-                    pass
-    return out
+    """``{step: {"train/loss": x, "val/loss": y}}`` from verl's console step lines (steps without a loss left out)."""
+    wanted = ("train/loss", "val/loss")
+    steps = {step: {k: m[k] for k in wanted if k in m} for step, m in parse_steps(log).items()}
+    return {step: losses for step, losses in steps.items() if losses}
 
 
 def run_sft(model: Path, sft_data: Path, run_dir: Path, cfg: SftConfig, name: str, env: dict[str, str]) -> Path:
