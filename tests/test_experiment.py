@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from verl_memopd.experiment.config import ExperimentConfig, SftConfig, full_config, smoke_config
+from verl_memopd.experiment.config import (ExperimentConfig, Paths, SftConfig, SweepConfig, Variant, full_config,
+                                           smoke_config)
 from verl_memopd.experiment.launch import val_scores
 from verl_memopd.launching import parse_steps
-from verl_memopd.experiment.report import COLUMNS, read_metrics, summary_lines, write_metrics
+from verl_memopd.experiment.report import COLUMNS, read_metrics, sensitivity_lines, summary_lines, write_metrics
 from verl_memopd.experiment.sft import fp32_export, sft_losses
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +60,30 @@ def test_configs_are_consistent():
         replace(full_config(), student_eval_steps=(75,))
 
 
+def test_sweep_runs_change_one_setting_of_the_matched_arm(tmp_path):
+    from verl_memopd.experiment.arms import arm_command
+
+    cfg, paths = full_config(), Paths(tmp_path / "runs", tmp_path / "results")
+    sweep = SweepConfig(variants=(Variant("lr3e-5", lr=3e-5), Variant("lambda0.1", overrides=("memopd.distill.coef=0.1",),
+                                                                      only=("memopd",))), arms=("memopd", "ppo"))
+    assert [(v.name, a) for v, a in sweep.runs()] == [("lr3e-5", "memopd"), ("lr3e-5", "ppo"), ("lambda0.1", "memopd")]
+    base = arm_command(cfg, paths, "memopd", 0, "S", "T")
+    lr = arm_command(cfg, paths, "memopd", 0, "S", "T", sweep.variants[0])
+    lam = arm_command(cfg, paths, "memopd", 0, "S", "T", sweep.variants[1])
+    run_dir = paths.sweep_run("lr3e-5", "memopd", 0)
+    changed = {"actor_rollout_ref.actor.optim.lr=3e-05", "critic.optim.lr=3e-05",
+               f"trainer.default_local_dir={run_dir / 'checkpoints'}", f"trainer.experiment_name={run_dir.name}"}
+    assert set(lr) - set(base) == changed and len(lr) == len(base)
+    assert lam[:-1] == [a.replace(str(paths.arm("memopd", 0)), str(paths.sweep_run("lambda0.1", "memopd", 0)))
+                        .replace("experiment_name=memopd_seed0", "experiment_name=lambda0.1_memopd_seed0")
+                        for a in base] and lam[-1] == "memopd.distill.coef=0.1"
+    with pytest.raises(ValueError, match="unique"):
+        SweepConfig(variants=(Variant("a"), Variant("a")), arms=("ppo",))
+    with pytest.raises(ValueError, match="valid"):
+        SweepConfig(variants=(Variant("a", only=("memopdd",)),), arms=("ppo",))
+    assert smoke_config().sweep is None and full_config().sweep.runs()
+
+
 def _rows():
     rows = [dict(arm="teacher", seed=0, step=2000, split=s, f1=f, em=0.5, reverse_kl=None,
                  teacher_aligned_vs_flat_kl=None, wall_s=100.0) for s, f in (("val", 0.8), ("test", 0.82))]
@@ -88,6 +113,16 @@ def test_csv_round_trip_and_summary_line(tmp_path):
     assert lines[-1] == ("experiment seeds=3 steps=10 teacher_f1=0.8200 start_f1=0.2100 memopd_f1=0.5100 "
                          "flat_f1=0.4100 ppo_f1=0.2600")
     assert any(line.startswith("memopd") and "0.0100" in line for line in lines)  # std over seeds
+
+
+def test_sensitivity_table_puts_each_variant_under_its_base_arm():
+    sweep = [dict(r, arm=f"{r['arm']}@lr1e-5", f1=r["f1"] + 0.1) for r in _rows() if r["arm"] in ("memopd", "ppo")
+             and r["seed"] == 0]
+    lines = sensitivity_lines(sweep, _rows(), seed=0)
+    assert lines[0].split() == ["run", "(seed", "0)", "val", "F1", "@0", "val", "F1", "@10"]
+    assert [line.split()[0] for line in lines[1:]] == ["flat@arms", "memopd@arms", "memopd@lr1e-5", "ppo@arms",
+                                                        "ppo@lr1e-5"]
+    assert lines[3].split()[1:] == ["0.6000", "0.6000"]
 
 
 def test_summary_of_a_partial_run_says_na(tmp_path):

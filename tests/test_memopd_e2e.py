@@ -65,9 +65,9 @@ def test_memopd_trains_checkpoints_and_resumes(tmp_path):
     assert run.steps[1]["memopd/reward_kl/clipped_kl_mean"] == 0  # step 1: policy == reference
     audited = run.steps[2]
     assert all(k in audited for k in AUDIT) and not any(k in run.steps[1] for k in AUDIT)
-    # every call's action-token logits == the call run alone under stock sdpa, within the dtype's tolerance: verl
-    # runs the actor's forward under bf16 autocast (FSDP mixed precision's default), so they differ by ~1 bf16 ulp
-    assert audited["memopd/audit/rce_pass"] == 1.0 and audited["memopd/audit/rce_max_abs_diff"] < 0.05
+    # every call's action-token logits == the call run alone under stock sdpa: the CPU profile runs every engine
+    # in fp32 (no bf16 autocast), so they differ only in summation order (fp32 tolerance 1e-4)
+    assert audited["memopd/audit/rce_pass"] == 1.0 and audited["memopd/audit/rce_max_abs_diff"] < 1e-4
     assert audited["memopd/audit/rce_calls_checked"] == 4 * audited["memopd/calls_per_episode"]
     assert audited["actor/memopd/audit/teacher_aligned_vs_flat_kl"] > 0
     assert "val-core/memopd_memory/tiny/reward/mean@1" in audited
@@ -95,7 +95,7 @@ def test_memopd_trains_checkpoints_and_resumes(tmp_path):
     for k in SAMPLED:
         assert after[k] == uninterrupted[k], f"{k}: resumed {after[k]} != uninterrupted {uninterrupted[k]}"
     for k in TRAINED:
-        assert after[k] == pytest.approx(uninterrupted[k], rel=1e-3, abs=1e-6), k
+        assert after[k] == pytest.approx(uninterrupted[k], rel=1e-4, abs=1e-6), k
     # per_call reads every output back in the packed order: the trainer's log-probs are still vLLM's
     assert after["training/rollout_probs_diff_max"] < 1e-3, after["training/rollout_probs_diff_max"]
 

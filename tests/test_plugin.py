@@ -93,6 +93,10 @@ def test_profile_cpu_composes_from_outside_the_repo(tmp_path, monkeypatch):
     assert cfg.trainer.device == "cpu"
     assert cfg.actor_rollout_ref.actor.strategy == "fsdp2"
     assert cfg.ray_kwargs.ray_init.num_gpus == 1
+    # fp32 everywhere: FSDP's default mixed precision (bf16 params + autocast) would ignore dtype=float32
+    fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+    for engine in (cfg.actor_rollout_ref.actor.fsdp_config, cfg.actor_rollout_ref.ref.fsdp_config, cfg.critic.fsdp):
+        assert dict(engine.mixed_precision) == fp32
     assert "memopd_cpu_profile_check" in cfg.hydra.callbacks
     assert "profile" not in cfg, "the search path was not applied: +profile=cpu became a plain string key"
 

@@ -47,7 +47,7 @@ import torch
 from verl_memopd.attention import BACKENDS, attention_implementation, backend_of, hf_name
 from verl_memopd.packing import BatchLayout, build_layout, pack_episode
 from verl_memopd.rce import EpisodeShape, random_episodes
-from verl_memopd.records import Episode, Invocation
+from verl_memopd.records import Episode
 from verl_memopd.segments import SegmentMeta
 from verl_memopd.trainer.groups import share_prefix
 

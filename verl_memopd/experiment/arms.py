@@ -6,55 +6,64 @@ vLLM seed per call), steps, batch, lr, alpha, beta, the teacher folder. verl val
 split every ``val_every`` steps (and before step 1), checkpoints at the same steps and resumes
 (``trainer.resume_mode=auto``); after the last step the final actor is evaluated on the test split.
 An arm is done when ``DONE.json`` exists; its metrics are re-read from its log by the report.
+
+The sweep stage reruns arms at seed 0 with one setting changed (:class:`config.Variant`: lr, lambda),
+validating on val only, to measure what moves the outcome without touching the test split.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
-from verl_memopd.experiment.config import ARMS, ExperimentConfig, Paths
+from verl_memopd.experiment.config import ARMS, ExperimentConfig, Paths, Variant
 from verl_memopd.experiment.evaluate import eval_model
 from verl_memopd.experiment.launch import main_ppo
 from verl_memopd.experiment.runner import heavy, heavy_wall_s, run_logged
 from verl_memopd.launching import cpu_env
 from verl_memopd.experiment.sft import fp32_export
 
-__all__ = ["arm_command", "run_arm", "stage_arms", "check_arm_overrides"]
+__all__ = ["arm_command", "run_arm", "stage_arms", "stage_sweep", "check_arm_overrides"]
 
 
-def arm_command(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, teacher) -> list[str]:
+def arm_command(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, teacher,
+                variant: Variant | None = None) -> list[str]:
+    """The arm's ``main_ppo`` command; ``variant`` changes the lr and/or appends overrides (sweep runs)."""
     a = cfg.arms
+    lr = variant.lr if variant is not None and variant.lr is not None else a.lr
+    run_dir = paths.arm(arm, seed) if variant is None else paths.sweep_run(variant.name, arm, seed)
     return main_ppo(
         f"actor_rollout_ref.model.path={student}", f"memopd.teacher.path={teacher}", "ray_kwargs.ray_init.num_gpus=2",
         f"data.train_files={paths.data / 'train.parquet'}", f"data.val_files={paths.data / 'val.parquet'}",
         f"data.train_batch_size={a.episodes_per_step}", f"data.val_batch_size={cfg.n_val}",
         f"actor_rollout_ref.rollout.n={a.samples_per_episode}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={a.episodes_per_step}",
-        f"actor_rollout_ref.actor.optim.lr={a.lr}", f"critic.optim.lr={a.lr}",  # the value head starts random
+        f"actor_rollout_ref.actor.optim.lr={lr}", f"critic.optim.lr={lr}",  # the value head starts random
         f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}",
         "actor_rollout_ref.rollout.enable_prefix_caching=false",
         f"trainer.total_training_steps={a.steps}", f"trainer.test_freq={a.val_every}",
         f"trainer.save_freq={a.val_every}", "trainer.val_before_train=true", "trainer.resume_mode=auto",
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
         f"memopd.audit.every_n_steps={a.val_every}",
-        f"trainer.default_local_dir={paths.arm(arm, seed) / 'checkpoints'}",
-        f"trainer.experiment_name={arm}_seed{seed}",
-        *ARMS[arm],
+        f"trainer.default_local_dir={run_dir / 'checkpoints'}",
+        f"trainer.experiment_name={run_dir.name}",
+        *ARMS[arm], *(variant.overrides if variant is not None else ()),
     )
 
 
-def check_arm_overrides(arms: tuple[str, ...]) -> None:
+def check_arm_overrides(arms: tuple[str, ...], variants: tuple[tuple[Variant, str], ...] = ()) -> None:
     """Compose every arm's config (Hydra, no run) so a key the recipe lacks fails before any arm starts.
 
     E.g. ``memopd.teacher.state`` (the persistent-history control) on a recipe without it: Hydra's
-    "Could not override" error names the key.
+    "Could not override" error names the key. ``variants``: (variant, arm) pairs of the sweep, composed
+    with the variant's overrides after the arm's.
     """
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    for arm in arms:
-        overrides = ARMS[arm]
+    for arm, overrides in [(a, ARMS[a]) for a in arms] + [(f"{a} ({v.name})", ARMS[a] + v.overrides)
+                                                         for v, a in variants]:
         GlobalHydra.instance().clear()
         with initialize_config_module(config_module="verl.trainer.config", version_base=None):
             try:
@@ -64,36 +73,64 @@ def check_arm_overrides(arms: tuple[str, ...]) -> None:
     GlobalHydra.instance().clear()
 
 
+def _train(cfg: ExperimentConfig, paths: Paths, run_dir: Path, what: str, command: list[str]) -> Path:
+    """Run one arm's ``main_ppo`` into ``run_dir``; returns its final actor export (fp32 config)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    a = cfg.arms
+    print(f"[experiment {time.strftime('%H:%M:%S')}] {what}: {a.steps} steps x "
+          f"{a.episodes_per_step} episodes x {a.samples_per_episode} samples, val every {a.val_every} "
+          f"(progress: grep '^step:' {run_dir / 'main_ppo.log'})", flush=True)
+    run_logged(heavy(command, cfg.timeout_s), run_dir / "main_ppo.log", cpu_env(paths.root), None, cwd=paths.root)
+    final = run_dir / "checkpoints" / f"global_step_{a.steps}" / "actor" / "huggingface"
+    if not (final / "config.json").is_file():
+        raise RuntimeError(f"{what}: no final actor export at {final}; see {run_dir / 'main_ppo.log'}")
+    fp32_export(final)
+    return final
+
+
 def run_arm(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, teacher) -> None:
     run_dir = paths.arm(arm, seed)
     if (run_dir / "DONE.json").is_file():
         return print(f"[experiment] arm {arm} seed {seed}: done", flush=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
     a = cfg.arms
-    print(f"[experiment {time.strftime('%H:%M:%S')}] arm {arm} seed {seed}: {a.steps} steps x "
-          f"{a.episodes_per_step} episodes x {a.samples_per_episode} samples, val every {a.val_every} "
-          f"(progress: grep '^step:' {run_dir / 'main_ppo.log'})", flush=True)
-    run_logged(heavy(arm_command(cfg, paths, arm, seed, student, teacher), cfg.timeout_s), run_dir / "main_ppo.log",
-               cpu_env(paths.root), None, cwd=paths.root)
-    wall = heavy_wall_s(run_dir / "main_ppo.log")
-    final = run_dir / "checkpoints" / f"global_step_{a.steps}" / "actor" / "huggingface"
-    if not (final / "config.json").is_file():
-        raise RuntimeError(f"arm {arm} seed {seed}: no final actor export at {final}; see {run_dir / 'main_ppo.log'}")
-    fp32_export(final)
-    done = {"wall_s": round(wall, 1), "final_actor": str(final)}
+    final = _train(cfg, paths, run_dir, f"arm {arm} seed {seed}", arm_command(cfg, paths, arm, seed, student, teacher))
+    done = {"wall_s": round(heavy_wall_s(run_dir / "main_ppo.log"), 1), "final_actor": str(final)}
     if cfg.final_evals:
         done["test_f1"] = eval_model(final, paths.data / "test.parquet", run_dir / "test.json", cfg, paths,
                                      {"role": arm, "seed": seed, "step": a.steps, "split": "test"})["f1"]
     (run_dir / "DONE.json").write_text(json.dumps(done) + "\n")
 
 
-def stage_arms(cfg: ExperimentConfig, paths: Paths) -> None:
+def _start_models(cfg: ExperimentConfig, paths: Paths) -> tuple[Path, Path]:
+    """(student, teacher) HF folders every arm starts from: the chosen student checkpoint, the final teacher."""
     from verl_memopd.experiment.sft import hf_export
 
-    check_arm_overrides(cfg.arms.arms)
     step = json.loads((paths.evals() / "student_choice.json").read_text())["step"]
-    student = hf_export(paths.sft("student"), step)
-    teacher = hf_export(paths.sft("teacher"), cfg.teacher_sft.steps)
+    return hf_export(paths.sft("student"), step), hf_export(paths.sft("teacher"), cfg.teacher_sft.steps)
+
+
+def stage_arms(cfg: ExperimentConfig, paths: Paths) -> None:
+    check_arm_overrides(cfg.arms.arms)
+    student, teacher = _start_models(cfg, paths)
     for seed in cfg.arms.seeds:  # seed-major: a partial run has every arm at the same seeds
         for arm in cfg.arms.arms:
             run_arm(cfg, paths, arm, seed, student, teacher)
+
+
+def stage_sweep(cfg: ExperimentConfig, paths: Paths) -> None:
+    """The sensitivity runs (:class:`config.SweepConfig`): val F1 every ``val_every`` steps, no test eval."""
+    if cfg.sweep is None:
+        return print("[experiment] sweep: none configured", flush=True)
+    runs = cfg.sweep.runs()
+    check_arm_overrides((), tuple(runs))
+    student, teacher = _start_models(cfg, paths)
+    seed = cfg.sweep.seed
+    for variant, arm in runs:
+        run_dir = paths.sweep_run(variant.name, arm, seed)
+        if (run_dir / "DONE.json").is_file():
+            print(f"[experiment] sweep {variant.name} {arm} seed {seed}: done", flush=True)
+            continue
+        final = _train(cfg, paths, run_dir, f"sweep {variant.name} {arm} seed {seed}",
+                       arm_command(cfg, paths, arm, seed, student, teacher, variant))
+        (run_dir / "DONE.json").write_text(json.dumps({"wall_s": round(heavy_wall_s(run_dir / "main_ppo.log"), 1),
+                                                       "final_actor": str(final)}) + "\n")

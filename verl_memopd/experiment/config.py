@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-__all__ = ["SftConfig", "ArmsConfig", "ExperimentConfig", "ARMS", "full_config", "smoke_config", "Paths"]
+__all__ = ["SftConfig", "ArmsConfig", "Variant", "SweepConfig", "ExperimentConfig", "ARMS", "full_config",
+           "smoke_config", "Paths"]
 
 #: arm name -> Hydra overrides on top of the shared arm command (everything else matched)
 ARMS: dict[str, tuple[str, ...]] = {
@@ -68,6 +69,40 @@ class ArmsConfig:
 
 
 @dataclass(frozen=True)
+class Variant:
+    """One sensitivity setting: the matched arms' command with ``lr`` (actor and critic; None = the arms'
+    lr) and ``overrides`` (Hydra, appended after the arm's own; keys the arm does not set) changed, nothing
+    else; run for ``only`` of the sweep's arms (None: all of them)."""
+
+    name: str
+    lr: float | None = None
+    overrides: tuple[str, ...] = ()
+    only: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """Why an arm does what it does, on val only: each variant x each of ``arms`` at ``seed``, same steps,
+    batch and validation schedule as the arms, no test eval (nothing is tuned on test)."""
+
+    variants: tuple[Variant, ...]
+    arms: tuple[str, ...]
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = [a for a in self.arms + tuple(a for v in self.variants for a in v.only or ()) if a not in ARMS]
+        names = [v.name for v in self.variants]
+        if unknown or len(set(names)) != len(names) or any(not n.replace(".", "").replace("-", "").isalnum()
+                                                           for n in names):
+            raise ValueError(f"SweepConfig: arms {self.arms} (and each variant's only; valid {sorted(ARMS)}), "
+                             f"variant names {names} must be unique and alphanumeric (with . or -)")
+
+    def runs(self) -> list[tuple[Variant, str]]:
+        """(variant, arm) in run order: variant-major."""
+        return [(v, arm) for v in self.variants for arm in self.arms if v.only is None or arm in v.only]
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """The whole experiment; ``n_train`` fresh episodes feed the SFT data and the RL arms."""
 
@@ -91,6 +126,8 @@ class ExperimentConfig:
     final_evals: bool = True
     #: per-command bound (seconds) for one eval or one arm; a hung verl run cannot stall the pipeline
     timeout_s: int = 5400
+    #: the val-only sensitivity runs of the sweep stage (None: no sweep)
+    sweep: SweepConfig | None = None
 
     def __post_init__(self) -> None:
         saved = range(self.student_sft.save_every, self.student_sft.steps + 1, self.student_sft.save_every)
@@ -111,6 +148,11 @@ def full_config() -> ExperimentConfig:
         # student was last trained with (1e-5 would move this 2-layer model ~1% in 30 Adam steps)
         arms=ArmsConfig(steps=30, val_every=10, episodes_per_step=4, samples_per_episode=2, lr=1e-4,
                         seeds=(0, 1, 2)),
+        # no arm beat the student at lr 1e-4: is the step too large, or the distillation term too strong?
+        # "base" reruns the arms' own settings under the sweep's code (its reference if the code has moved on)
+        sweep=SweepConfig(variants=(Variant("base"), Variant("lr3e-5", lr=3e-5), Variant("lr1e-5", lr=1e-5),
+                                    Variant("lambda0.1", overrides=("memopd.distill.coef=0.1",), only=("memopd",))),
+                          arms=("memopd", "ppo")),
     )
 
 
@@ -122,7 +164,7 @@ def smoke_config() -> ExperimentConfig:
         teacher_sft=SftConfig(steps=2, batch=4, lr=1e-3, save_every=2, warmup_steps=0),
         student_sft=SftConfig(steps=2, batch=4, lr=1e-3, save_every=2, warmup_steps=0), student_eval_steps=(),
         student_f1_band=None, final_evals=False,
-        arms=replace(full.arms, steps=1, val_every=1, episodes_per_step=2, seeds=(0,)),
+        arms=replace(full.arms, steps=1, val_every=1, episodes_per_step=2, seeds=(0,)), sweep=None,
     )
 
 
@@ -153,6 +195,13 @@ class Paths:
 
     def arm(self, arm: str, seed: int) -> Path:
         return self.root / "arms" / f"{arm}_seed{seed}"
+
+    def sweep_run(self, variant: str, arm: str, seed: int) -> Path:
+        return self.root / "sweep" / f"{variant}_{arm}_seed{seed}"
+
+    @property
+    def sensitivity_csv(self) -> Path:
+        return self.results / "sensitivity.csv"
 
     @property
     def metrics_csv(self) -> Path:

@@ -8,7 +8,10 @@
                   of the chosen ones; picks the student checkpoint
     arms          memopd / flat / ppo x seeds of RL from the student, val F1 every K     arms/<arm>_seed<s>/DONE.json
                   steps, test F1 at the end
-    report        results/<name>/metrics.csv (from every stage's outputs) and f1.png     always rerun
+    sweep         sensitivity on val only: arms rerun at seed 0 with one setting          sweep/<variant>_<arm>_seed<s>/DONE.json
+                  changed (lr, lambda); no test eval
+    report        results/<name>/metrics.csv (from every stage's outputs), f1.png and     always rerun
+                  sensitivity.csv (the sweep's val F1)
 
 The student's SFT runs before the teacher's: it is short, and its checkpoints can be evaluated
 while the teacher trains. verl runs its checkpoints itself (``trainer.resume_mode=auto``), so a
@@ -29,7 +32,7 @@ from verl_memopd.launching import cpu_env
 
 __all__ = ["STAGES", "run_pipeline"]
 
-STAGES = ("models", "data", "sft_student", "sft_teacher", "eval", "arms", "report")
+STAGES = ("models", "data", "sft_student", "sft_teacher", "eval", "arms", "sweep", "report")
 
 
 def _say(msg: str) -> None:
@@ -104,6 +107,7 @@ def run_pipeline(cfg: ExperimentConfig, paths: Paths, until: str = STAGES[-1], o
         "sft_student": lambda c, p: _stage_sft("student", c, p),
         "sft_teacher": lambda c, p: _stage_sft("teacher", c, p),
         "eval": _later("evaluate", "stage_eval"), "arms": _later("arms", "stage_arms"),
+        "sweep": _later("arms", "stage_sweep"),
         "report": _later("report", "stage_report"),
     }
     paths.root.mkdir(parents=True, exist_ok=True)

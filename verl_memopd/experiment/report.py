@@ -10,6 +10,9 @@ duplicates. One row per (arm, seed, step, split):
     teacher_aligned_vs_flat_kl    actor/memopd/audit/teacher_aligned_vs_flat_kl (audited train rows)
     wall_s   train/val rows: training seconds so far (sum of timing_s/step); test and SFT-eval rows:
              wall seconds of the eval (test rows of arms: of the whole arm run, startup included)
+
+``sensitivity.csv`` (the sweep stage) has the same columns; its arm is ``<arm>@<variant>`` (e.g.
+``memopd@lr3e-5``), its rows train and val only.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from verl_memopd.experiment.config import ARMS, ExperimentConfig, Paths
 from verl_memopd.experiment.launch import read_log, val_scores
 from verl_memopd.launching import parse_steps
 
-__all__ = ["COLUMNS", "collect_rows", "write_metrics", "read_metrics", "summary_lines", "stage_report"]
+__all__ = ["COLUMNS", "collect_rows", "collect_sweep_rows", "write_metrics", "read_metrics", "summary_lines",
+           "sensitivity_lines", "stage_report"]
 
 COLUMNS = ("arm", "seed", "step", "split", "f1", "em", "reverse_kl", "teacher_aligned_vs_flat_kl", "wall_s")
 Row = dict
@@ -69,6 +73,16 @@ def collect_rows(cfg: ExperimentConfig, paths: Paths) -> list[Row]:
     for seed in cfg.arms.seeds:
         for arm in cfg.arms.arms:
             rows += _arm_rows(arm, seed, paths.arm(arm, seed))
+    return rows
+
+
+def collect_sweep_rows(cfg: ExperimentConfig, paths: Paths) -> list[Row]:
+    """The sweep's rows (arm ``<arm>@<variant>``), runs that have started; [] without a sweep."""
+    rows: list[Row] = []
+    for variant, arm in cfg.sweep.runs() if cfg.sweep is not None else []:
+        run_dir = paths.sweep_run(variant.name, arm, cfg.sweep.seed)
+        if run_dir.is_dir():
+            rows += _arm_rows(f"{arm}@{variant.name}", cfg.sweep.seed, run_dir)
     return rows
 
 
@@ -136,6 +150,20 @@ def summary_lines(rows: list[Row]) -> list[str]:
     return lines
 
 
+def sensitivity_lines(sweep: list[Row], arms: list[Row], seed: int) -> list[str]:
+    """Val F1 at each validated step: the matched arms at ``seed`` (``<arm>@arms``), then each sweep run."""
+    base = [dict(r, arm=f"{r['arm']}@arms") for r in arms if r["arm"] in ARMS and r["seed"] == seed]
+    series: dict[str, dict[int, float]] = {}
+    for r in base + sweep:
+        if r["split"] == "val":
+            series.setdefault(r["arm"], {})[r["step"]] = r["f1"]
+    steps = sorted({s for v in series.values() for s in v})
+    lines = [f"{'run (seed ' + str(seed) + ')':22} " + " ".join(f"{f'val F1 @{s}':>10}" for s in steps)]
+    for name in sorted(series, key=lambda n: (n.split("@")[0], n.split("@")[1] != "arms", n)):
+        lines.append(f"{name:22} " + " ".join(f"{_fmt(series[name].get(s)):>10}" for s in steps))
+    return lines
+
+
 def stage_report(cfg: ExperimentConfig, paths: Paths) -> None:
     from verl_memopd.experiment.plot import plot_metrics
 
@@ -143,4 +171,9 @@ def stage_report(cfg: ExperimentConfig, paths: Paths) -> None:
     rows = read_metrics(paths.metrics_csv)
     plot_metrics(rows, paths.plot)
     print(f"[experiment] report: {paths.metrics_csv} ({len(rows)} rows), {paths.plot}")
+    sweep = collect_sweep_rows(cfg, paths)
+    if sweep:
+        write_metrics(sweep, paths.sensitivity_csv)
+        print(f"[experiment] sensitivity (val only): {paths.sensitivity_csv}")
+        print("\n".join(sensitivity_lines(read_metrics(paths.sensitivity_csv), rows, cfg.sweep.seed)))
     print("\n".join(summary_lines(rows)), flush=True)
