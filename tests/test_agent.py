@@ -231,10 +231,29 @@ def test_weight_versions_become_verls_staleness_tags(episode_run):
 def test_reward_scores_the_final_answer_text(tokenizer, episode_run):
     row, _, output, episode = episode_run
     assert output.reward_score == episode.reward == 1.0
-    assert output.extra_fields["reward_extra_info"] == {"f1": 1.0, "em": 1.0}
+    # the script's last memory call writes nothing (recall 0); call 1 of 3 runs into its budget
+    assert output.extra_fields["reward_extra_info"] == {"f1": 1.0, "em": 1.0, "memory_recall": 0.0,
+                                                        "memory_truncated": pytest.approx(1 / 3)}
     wrong = _run(tokenizer, FakeServer(_script(tokenizer, ["Nowhere", row["reward_model"]["ground_truth"][1][0]])),
                  row)
     assert wrong.reward_score == 0.5 and wrong.extra_fields["reward_extra_info"]["em"] == 0.5
+
+
+def test_memory_recall_reads_the_memory_the_answer_call_sees(tokenizer):
+    row = _row(index=4)
+    answers = [a[0] for a in row["reward_model"]["ground_truth"]]
+    assert len(set(answers)) == len(answers) == 2, answers  # row 4's two answers differ
+    eos = tokenizer.eos_token_id
+
+    def script(t, prompt, max_tokens):  # the last memory call keeps the first answer only, then answers wrongly
+        if t < 2:
+            return [eos]
+        return tokenizer.encode(f"note: {answers[0]}." if t == 2 else format_answers(["x"] * len(answers))) + [eos]
+
+    output = _run(tokenizer, FakeServer(script), row)
+    info = output.extra_fields["reward_extra_info"]
+    assert info["memory_recall"] == 0.5 and info["f1"] == 0.0
+    assert info["memory_truncated"] == 0.0
 
 
 def test_config_overrides_prompts_and_refuses_unknown_keys(tokenizer):

@@ -14,7 +14,8 @@ from verl_memopd.experiment.config import (ExperimentConfig, Paths, SftConfig, S
                                            smoke_config)
 from verl_memopd.experiment.launch import val_scores
 from verl_memopd.launching import parse_steps
-from verl_memopd.experiment.report import COLUMNS, read_metrics, sensitivity_lines, summary_lines, write_metrics
+from verl_memopd.experiment.report import (COLUMNS, diagnostic_lines, read_metrics, sensitivity_lines, summary_lines,
+                                           write_metrics)
 from verl_memopd.experiment.sft import fp32_export, sft_losses
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,6 +29,10 @@ def test_parse_steps_merges_lines_and_reads_validation():
     steps = parse_steps(log)
     assert steps[1] == {"actor/memopd/reverse_kl": 0.5, "timing_s/step": 2.0, "critic/score/mean": 0.3}
     assert val_scores(steps[0]) == {"f1": 0.25, "em": 0.125}
+    diag = {"val-aux/memopd_memory/tiny/f1/mean@1": 0.5, "val-aux/memopd_memory/tiny/em/mean@1": 0.25,
+            "val-aux/memopd_memory/tiny/memory_recall/mean@1": 0.75,
+            "val-aux/memopd_memory/tiny/memory_truncated/mean@1": 0.0, "val-aux/memopd_memory/tiny/f1/std@1": 0.1}
+    assert val_scores(diag) == {"f1": 0.5, "em": 0.25, "memory_recall": 0.75, "memory_truncated": 0.0}
     assert val_scores(steps[1]) is None
     with pytest.raises(KeyError, match="em"):
         val_scores({"val-aux/memopd_memory/tiny/f1/mean@1": 0.1})
@@ -123,6 +128,14 @@ def test_sensitivity_table_puts_each_variant_under_its_base_arm():
     assert [line.split()[0] for line in lines[1:]] == ["flat@arms", "memopd@arms", "memopd@lr1e-5", "ppo@arms",
                                                         "ppo@lr1e-5"]
     assert lines[3].split()[1:] == ["0.6000", "0.6000"]
+
+
+def test_diagnostic_table_has_a_line_per_model():
+    lines = diagnostic_lines([{"role": "teacher", "f1": 0.63, "em": 0.5, "memory_recall": 0.8, "memory_truncated": 0.1},
+                              {"role": "memopd_seed0", "f1": 0.2, "em": 0.1, "memory_recall": 0.3,
+                               "memory_truncated": 0.6}])
+    assert [line.split() for line in lines[1:]] == [["teacher", "0.6300", "0.5000", "0.8000", "0.1000"],
+                                                     ["memopd_seed0", "0.2000", "0.1000", "0.3000", "0.6000"]]
 
 
 def test_summary_of_a_partial_run_says_na(tmp_path):

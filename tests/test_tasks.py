@@ -10,7 +10,8 @@ from verl_memopd.tasks.dataset import AGENT_NAME, parse_row, read_rows, to_row, 
 from verl_memopd.tasks.generator import PRESETS, TaskConfig, corpus, generate, get_preset
 from verl_memopd.tasks.oracle import run_oracle
 from verl_memopd.tasks.prompts import MemoryPrompts, format_answers, parse_answers
-from verl_memopd.tasks.reward import compute_score, exact_match, normalize_answer, score_answers, token_f1
+from verl_memopd.tasks.reward import (answer_recall, compute_score, exact_match, normalize_answer, score_answers,
+                                     token_f1)
 from verl_memopd.tasks.world import (
     QUESTION_KINDS, RELATIONS, get_vocabulary, looks_alike, parse_fact, parse_question,
 )
@@ -153,6 +154,14 @@ def test_score_max_over_aliases_mean_over_questions():
     assert s.f1 == pytest.approx((0.8 + 1.0) / 2) and s.em == 0.5
     with pytest.raises(ValueError, match="2 predictions for 1 questions"):
         score_answers(["a", "b"], [("a",)])
+
+
+def test_answer_recall_counts_answers_present_as_whole_words():
+    answer_sets = [("Zentek Labs", "Zentek"), ("Orin",), ("Mara Tovin",)]
+    assert answer_recall("Mara Tovin works at the Zentek-Labs. Orinda is far.", answer_sets) == pytest.approx(1 / 3)
+    assert answer_recall("orin; mara tovin; zentek", answer_sets) == 1.0 and answer_recall("", answer_sets) == 0.0
+    with pytest.raises(ValueError, match="no questions"):
+        answer_recall("x", [])
 
 
 def test_aliases_normalised_as_squad_and_hotpotqa():

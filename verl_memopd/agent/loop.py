@@ -23,7 +23,10 @@ own ``position_ids`` -- recomputed as 0..L-1 -- are NOT the restored ones):
     memopd_position_ids  list[int] (P + R,) restored positions (each call block continues from P)
     memopd_segment_ids   list[int] (P + R,) 0 for q, t + 1 for the tokens of call t
     memopd_teacher_mask  list[int] (R,) 1 where the teacher supervises (m_T <= m_act)
-    reward_extra_info    {"f1": float, "em": float} (verl logs these per data source)
+    reward_extra_info    {"f1", "em", "memory_recall", "memory_truncated"} floats (verl logs these per data
+                         source, e.g. ``val-aux/<source>/memory_recall/mean@1``): answer F1 / EM; the share of
+                         questions whose answer is in the memory the answer call sees (``answer_recall``);
+                         the share of memory calls that hit ``memory_tokens`` without a stop token
     min_global_steps / max_global_steps   oldest / newest trainer step of the weights that served
                          any call (verl's off-policy staleness tags; absent if the server reports none)
 
@@ -60,7 +63,7 @@ from verl_memopd.packing import pack_episode
 from verl_memopd.records import Episode, Invocation
 from verl_memopd.tasks.dataset import AGENT_NAME, TaskRow, parse_row
 from verl_memopd.tasks.prompts import CALL_FIELDS, DATA_FIELDS, MemoryPrompts, parse_answers
-from verl_memopd.tasks.reward import score_answers
+from verl_memopd.tasks.reward import answer_recall, score_answers
 
 __all__ = ["MemoryAgentConfig", "MemoryAgentLoop", "EXTRA_EPISODE", "EXTRA_POSITION_IDS", "EXTRA_SEGMENT_IDS",
            "EXTRA_TEACHER_MASK"]
@@ -193,11 +196,17 @@ class MemoryAgentLoop(AgentLoopBase):
         answer_ids = final.response_ids[:-1] if final.finish_reason == "stop" else final.response_ids
         answer_text = self.tokenizer.decode(answer_ids, skip_special_tokens=True)
         score = score_answers(parse_answers(answer_text, len(task.answer_sets)), task.answer_sets)
+        memory_calls = calls[:-1]  # >= 1: parse_row refuses a row without chunks
+        diagnostics = {
+            "memory_recall": answer_recall(self.tokenizer.decode(memory_calls[-1].memory_ids, skip_special_tokens=True),
+                                           task.answer_sets),
+            "memory_truncated": sum(c.finish_reason == "length" for c in memory_calls) / len(memory_calls),
+        }
         episode = Episode(
             episode_id=uuid4().hex, uid=str(kwargs.get("uid", task.where)), prefix_ids=prefix_ids,
             invocations=tuple(calls), reward=score.f1,
             extra={"where": task.where, "data_source": str(kwargs.get("data_source", "")), "answer": answer_text,
-                   "f1": score.f1, "em": score.em, "weight_steps": [list(v) for v in versions]},
+                   "f1": score.f1, "em": score.em, **diagnostics, "weight_steps": [list(v) for v in versions]},
         )
         row = pack_episode(episode)
         for name, n, limit in (("prompt_length", len(row.prompt_ids), self.rollout_config.prompt_length),
@@ -213,7 +222,7 @@ class MemoryAgentLoop(AgentLoopBase):
             extra_fields={
                 EXTRA_EPISODE: episode.to_dict(), EXTRA_POSITION_IDS: list(row.position_ids),
                 EXTRA_SEGMENT_IDS: list(row.segment_ids), EXTRA_TEACHER_MASK: list(row.teacher_mask),
-                "reward_extra_info": {"f1": score.f1, "em": score.em},
+                "reward_extra_info": {"f1": score.f1, "em": score.em, **diagnostics},
                 **_weight_steps(versions),
             },
         )

@@ -128,6 +128,8 @@ class ExperimentConfig:
     timeout_s: int = 5400
     #: the val-only sensitivity runs of the sweep stage (None: no sweep)
     sweep: SweepConfig | None = None
+    #: the diagnose stage: val evals of teacher, start and the arms' final actors with memory diagnostics
+    diagnose: bool = True
 
     def __post_init__(self) -> None:
         saved = range(self.student_sft.save_every, self.student_sft.steps + 1, self.student_sft.save_every)
@@ -164,7 +166,7 @@ def smoke_config() -> ExperimentConfig:
         teacher_sft=SftConfig(steps=2, batch=4, lr=1e-3, save_every=2, warmup_steps=0),
         student_sft=SftConfig(steps=2, batch=4, lr=1e-3, save_every=2, warmup_steps=0), student_eval_steps=(),
         student_f1_band=None, final_evals=False,
-        arms=replace(full.arms, steps=1, val_every=1, episodes_per_step=2, seeds=(0,)), sweep=None,
+        arms=replace(full.arms, steps=1, val_every=1, episodes_per_step=2, seeds=(0,)), sweep=None, diagnose=False,
     )
 
 

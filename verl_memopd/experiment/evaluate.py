@@ -8,6 +8,12 @@ One eval = ``main_ppo ... trainer.val_only=true`` on the checkpoint as the actor
 The eval stage measures the SFT checkpoints the experiment needs: the student at
 ``student_eval_steps`` (val) to choose the RL start, the teacher's final checkpoint (val), and
 both chosen models on the test split. Results: ``eval/<role>_step<N>_<split>.json``.
+
+The diagnose stage evaluates, on val, the models whose difference the table reports (the final teacher,
+the RL start, each arm's final actor at the first seed) with the agent's memory diagnostics: how many
+answers the final memory still holds (``memory_recall``) and how often a memory call hits its budget
+(``memory_truncated``), so a drop in F1 can be traced to the memory or to the answer call.
+Results: ``diagnose/<model>_val.json``.
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ from verl_memopd.experiment.launch import main_ppo, read_log, val_scores
 from verl_memopd.experiment.runner import heavy, heavy_wall_s, run_logged
 from verl_memopd.launching import cpu_env, parse_steps
 
-__all__ = ["eval_command", "eval_model", "eval_sft_checkpoint", "stage_eval", "chosen_student", "EvalResult"]
+__all__ = ["eval_command", "eval_model", "eval_sft_checkpoint", "stage_eval", "chosen_student", "diagnose_models",
+           "stage_diagnose", "EvalResult"]
 
-EvalResult = dict  # {"role", "step", "split", "f1", "em", "wall_s", "model"}
+EvalResult = dict  # {"role", "step", "split", "f1", "em", "wall_s", "model"} (+ "memory_recall", "memory_truncated")
 
 
 def eval_command(model: Path, val_file: Path, workdir: Path, val_batch: int) -> list[str]:
@@ -103,3 +110,32 @@ def stage_eval(cfg: ExperimentConfig, paths: Paths) -> None:
     if teacher["f1"] < cfg.teacher_f1_target:
         print(f"[experiment] WARNING: teacher val F1 {teacher['f1']:.3f} < target {cfg.teacher_f1_target} "
               "(the arms still run; the report shows it)", flush=True)
+
+
+def diagnose_models(cfg: ExperimentConfig, paths: Paths) -> list[tuple[str, Path]]:
+    """(name, HF folder) of the models the diagnose stage evaluates: the final teacher, the RL start and
+    each arm's final actor at the first seed (arms that are not done are left out)."""
+    from verl_memopd.experiment.sft import hf_export
+
+    start = json.loads((paths.evals() / "student_choice.json").read_text())["step"]
+    models = [("teacher", hf_export(paths.sft("teacher"), cfg.teacher_sft.steps)),
+              ("student", hf_export(paths.sft("student"), start))]
+    seed = cfg.arms.seeds[0]
+    for arm in cfg.arms.arms:
+        done = paths.arm(arm, seed) / "DONE.json"
+        if done.is_file():
+            models.append((f"{arm}_seed{seed}", Path(json.loads(done.read_text())["final_actor"])))
+    return models
+
+
+def stage_diagnose(cfg: ExperimentConfig, paths: Paths) -> None:
+    if not cfg.diagnose:
+        return print("[experiment] diagnose: off", flush=True)
+    out = paths.root / "diagnose"
+    out.mkdir(parents=True, exist_ok=True)
+    for name, model in diagnose_models(cfg, paths):
+        r = eval_model(model, paths.data / "val.parquet", out / f"{name}_val.json", cfg, paths,
+                       {"role": name, "split": "val"})
+        if "memory_recall" not in r:
+            raise RuntimeError(f"{out / f'{name}_val.json'}: no memory diagnostics; the agent loop that ran predates "
+                               "them (delete the file to rerun)")

@@ -34,15 +34,16 @@ def main_ppo(*overrides: str) -> list[str]:
 
 def val_scores(metrics: dict[str, float]) -> dict[str, float] | None:
     """``{"f1", "em"}`` from one step's validation metrics (verl logs the agent's reward_extra_info per
-    data source: ``val-*/memopd_memory/<preset>/{f1,em}/mean@1``), or None if the step did not validate."""
+    data source: ``val-*/memopd_memory/<preset>/{f1,em}/mean@1``), plus the agent's memory diagnostics
+    (``memory_recall``, ``memory_truncated``) when the log has them; None if the step did not validate."""
     found = {}
     for key, value in metrics.items():
-        m = re.fullmatch(r"val-[a-z]+/memopd_memory/[^/]+/(f1|em)/mean@1", key)
+        m = re.fullmatch(r"val-[a-z]+/memopd_memory/[^/]+/(f1|em|memory_recall|memory_truncated)/mean@1", key)
         if m:
             found[m.group(1)] = value
     if not found:
         return None
-    if set(found) != {"f1", "em"}:
+    if not {"f1", "em"} <= set(found):
         raise KeyError(f"validation metrics incomplete: found {sorted(found)} of f1, em in {sorted(metrics)}")
     return found
 

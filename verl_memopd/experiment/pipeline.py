@@ -10,8 +10,10 @@
                   steps, test F1 at the end
     sweep         sensitivity on val only: arms rerun at seed 0 with one setting          sweep/<variant>_<arm>_seed<s>/DONE.json
                   changed (lr, lambda); no test eval
+    diagnose      val evals of teacher, start and the arms' final actors (first seed)    diagnose/<model>_val.json
+                  with the agent's memory diagnostics (answers kept in memory, truncation)
     report        results/<name>/metrics.csv (from every stage's outputs), f1.png and     always rerun
-                  sensitivity.csv (the sweep's val F1)
+                  sensitivity.csv (the sweep's val F1), diagnostics.csv
 
 The student's SFT runs before the teacher's: it is short, and its checkpoints can be evaluated
 while the teacher trains. verl runs its checkpoints itself (``trainer.resume_mode=auto``), so a
@@ -32,7 +34,7 @@ from verl_memopd.launching import cpu_env
 
 __all__ = ["STAGES", "run_pipeline"]
 
-STAGES = ("models", "data", "sft_student", "sft_teacher", "eval", "arms", "sweep", "report")
+STAGES = ("models", "data", "sft_student", "sft_teacher", "eval", "arms", "sweep", "diagnose", "report")
 
 
 def _say(msg: str) -> None:
@@ -107,7 +109,7 @@ def run_pipeline(cfg: ExperimentConfig, paths: Paths, until: str = STAGES[-1], o
         "sft_student": lambda c, p: _stage_sft("student", c, p),
         "sft_teacher": lambda c, p: _stage_sft("teacher", c, p),
         "eval": _later("evaluate", "stage_eval"), "arms": _later("arms", "stage_arms"),
-        "sweep": _later("arms", "stage_sweep"),
+        "sweep": _later("arms", "stage_sweep"), "diagnose": _later("evaluate", "stage_diagnose"),
         "report": _later("report", "stage_report"),
     }
     paths.root.mkdir(parents=True, exist_ok=True)

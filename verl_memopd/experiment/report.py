@@ -12,7 +12,8 @@ duplicates. One row per (arm, seed, step, split):
              wall seconds of the eval (test rows of arms: of the whole arm run, startup included)
 
 ``sensitivity.csv`` (the sweep stage) has the same columns; its arm is ``<arm>@<variant>`` (e.g.
-``memopd@lr3e-5``), its rows train and val only.
+``memopd@lr3e-5``), its rows train and val only. ``diagnostics.csv`` (the diagnose stage): one row per
+model (teacher, student, ``<arm>_seed<s>``), :data:`DIAGNOSTIC_COLUMNS`.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from verl_memopd.experiment.config import ARMS, ExperimentConfig, Paths
 from verl_memopd.experiment.launch import read_log, val_scores
 from verl_memopd.launching import parse_steps
 
-__all__ = ["COLUMNS", "collect_rows", "collect_sweep_rows", "write_metrics", "read_metrics", "summary_lines",
+__all__ = ["COLUMNS", "DIAGNOSTIC_COLUMNS", "diagnostic_lines", "collect_rows", "collect_sweep_rows", "write_metrics", "read_metrics", "summary_lines",
            "sensitivity_lines", "stage_report"]
 
 COLUMNS = ("arm", "seed", "step", "split", "f1", "em", "reverse_kl", "teacher_aligned_vs_flat_kl", "wall_s")
 Row = dict
+DIAGNOSTIC_COLUMNS = ("model", "split", "f1", "em", "memory_recall", "memory_truncated")
 
 
 def _row(arm: str, seed: int, step: int, split: str, f1=None, em=None, reverse_kl=None, flat_kl=None,
@@ -164,6 +166,29 @@ def sensitivity_lines(sweep: list[Row], arms: list[Row], seed: int) -> list[str]
     return lines
 
 
+def diagnostic_lines(results: list[dict]) -> list[str]:
+    """A table of the diagnose stage's evals (``diagnose/*.json``), in the given order."""
+    lines = [f"{'model (val)':16} {'F1':>7} {'EM':>7} {'answers in final memory':>24} {'memory calls truncated':>23}"]
+    for r in results:
+        lines.append(f"{r['role']:16} {_fmt(r['f1']):>7} {_fmt(r['em']):>7} {_fmt(r['memory_recall']):>24} "
+                     f"{_fmt(r['memory_truncated']):>23}")
+    return lines
+
+
+def _write_diagnostics(cfg: ExperimentConfig, paths: Paths) -> list[dict]:
+    from verl_memopd.experiment.evaluate import diagnose_models
+
+    files = [paths.root / "diagnose" / f"{name}_val.json" for name, _ in diagnose_models(cfg, paths)]
+    results = [json.loads(f.read_text()) for f in files if f.is_file()]
+    if results:
+        with open(paths.results / "diagnostics.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(DIAGNOSTIC_COLUMNS)
+            for r in results:
+                w.writerow([r["role"], r["split"], *(f"{r[k]:.6g}" for k in DIAGNOSTIC_COLUMNS[2:])])
+    return results
+
+
 def stage_report(cfg: ExperimentConfig, paths: Paths) -> None:
     from verl_memopd.experiment.plot import plot_metrics
 
@@ -176,4 +201,8 @@ def stage_report(cfg: ExperimentConfig, paths: Paths) -> None:
         write_metrics(sweep, paths.sensitivity_csv)
         print(f"[experiment] sensitivity (val only): {paths.sensitivity_csv}")
         print("\n".join(sensitivity_lines(read_metrics(paths.sensitivity_csv), rows, cfg.sweep.seed)))
+    diagnostics = _write_diagnostics(cfg, paths) if cfg.diagnose else []
+    if diagnostics:
+        print(f"[experiment] diagnostics (val): {paths.results / 'diagnostics.csv'}")
+        print("\n".join(diagnostic_lines(diagnostics)))
     print("\n".join(summary_lines(rows)), flush=True)

@@ -26,7 +26,8 @@ from typing import Any, Sequence
 
 from verl_memopd.tasks.prompts import parse_answers
 
-__all__ = ["normalize_answer", "token_f1", "exact_match", "Score", "score_answers", "as_answer_sets", "compute_score"]
+__all__ = ["normalize_answer", "token_f1", "exact_match", "Score", "score_answers", "answer_recall", "as_answer_sets",
+           "compute_score"]
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _CLOSED_ANSWERS = frozenset({"yes", "no", "noanswer"})  # HotpotQA: all or nothing
@@ -95,6 +96,18 @@ def score_answers(predictions: Sequence[str], answer_sets: Sequence[Sequence[str
     ems = [max(exact_match(p, a) for a in aliases) for p, aliases in zip(predictions, answer_sets)]
     k = len(answer_sets)
     return Score(f1=sum(f1s) / k, em=sum(ems) / k, per_question_f1=tuple(f1s))
+
+
+def answer_recall(text: str, answer_sets: Sequence[Sequence[str]]) -> float:
+    """Share of the K questions whose answer (any alias) occurs in ``text`` as whole normalised words.
+
+    Of a memory: how much of what the answer call needs it still holds (a diagnostic, not a reward; a
+    closed answer such as ``yes`` counts only if the word is there).
+    """
+    if not answer_sets:
+        raise ValueError("answer_recall: no questions")
+    words = f" {normalize_answer(text)} "
+    return sum(any(f" {normalize_answer(a)} " in words for a in aliases) for aliases in answer_sets) / len(answer_sets)
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None,
