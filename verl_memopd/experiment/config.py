@@ -161,10 +161,10 @@ def full_config() -> ExperimentConfig:
 def smoke_config() -> ExperimentConfig:
     """Minutes, for CI: a few SFT steps, one RL step per arm, one seed; checks the plumbing only."""
     full = full_config()
+    two_steps = SftConfig(steps=2, batch=4, lr=1e-3, save_every=2, warmup_steps=0)
     return replace(
         full, name="cpu_tiny_smoke", n_train=64, n_val=4, n_test=4, timeout_s=900,
-        teacher_sft=SftConfig(steps=2, batch=4, lr=1e-3, save_every=2, warmup_steps=0),
-        student_sft=SftConfig(steps=2, batch=4, lr=1e-3, save_every=2, warmup_steps=0), student_eval_steps=(),
+        teacher_sft=two_steps, student_sft=two_steps, student_eval_steps=(),
         student_f1_band=None, final_evals=False,
         arms=replace(full.arms, steps=1, val_every=1, episodes_per_step=2, seeds=(0,)), sweep=None, diagnose=False,
     )
