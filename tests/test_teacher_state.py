@@ -53,7 +53,7 @@ SHAPE = EpisodeShape(prefix_len=(6, 12), calls=(CALLS, CALLS), chunk_len=(2, 6),
 
 def _memopd(teacher_dir, **kw) -> MemopdConfig:
     teacher = TeacherConfig(path=str(teacher_dir), state=kw.pop("state", "aligned"))
-    distill = DistillConfig(transport=kw.pop("transport", "hidden"))
+    distill = DistillConfig(transport=kw.pop("transport", "hidden"), teacher_mask=kw.pop("teacher_mask", "action"))
     return MemopdConfig(teacher=teacher, distill=distill, audit=AuditConfig(every_n_steps=1), **kw)
 
 
@@ -95,10 +95,10 @@ class _Recorder:
     """A stand-in for the trainer's TransferQueue rows: the layout they are in, and every teacher call."""
 
     def __init__(self):
-        self.layout, self.scored = None, []
+        self.layout, self.policy, self.scored = None, None, []
 
-    def restore_layout(self, batch, layout, share_prefix=False):
-        self.layout = layout
+    def restore_layout(self, batch, layout, share_prefix=False, teacher_mask_policy="action"):
+        self.layout, self.policy = layout, teacher_mask_policy
         return {}
 
 
@@ -112,11 +112,23 @@ def test_trainer_teacher_step_hands_the_rows_back_in_the_student_layout(teacher_
     rows = _Recorder()
     monkeypatch.setattr(ppo, "restore_layout", rows.restore_layout)
     trainer = SimpleNamespace(memopd=_memopd(teacher_dir, state=state), timing_raw={})
+    trainer._restore_layout = lambda batch, layout: ppo.MemopdTrainer._restore_layout(trainer, batch, layout)
     trainer._score_with_teacher = lambda batch, output_key=None: rows.scored.append((rows.layout or "packed", output_key))
     rows.layout = "packed"  # _compute_old_log_prob restored the student's layout before the actor's forward
     ppo.MemopdTrainer._teacher_step(trainer, batch=object(), audit=audit)
     assert rows.scored == scored
     assert rows.layout == "packed"  # reference, critic and the actor update see the aligned rows
+
+
+@pytest.mark.parametrize("policy", ["answer", "memory"])
+def test_trainer_lays_rows_out_with_the_configured_teacher_mask(teacher_dir, monkeypatch, policy):
+    rows = _Recorder()
+    monkeypatch.setattr(ppo, "restore_layout", rows.restore_layout)
+    trainer = SimpleNamespace(memopd=_memopd(teacher_dir, state="flat", teacher_mask=policy), timing_raw={})
+    trainer._restore_layout = lambda batch, layout: ppo.MemopdTrainer._restore_layout(trainer, batch, layout)
+    trainer._score_with_teacher = lambda batch, output_key=None: None
+    ppo.MemopdTrainer._teacher_step(trainer, batch=object(), audit=False)
+    assert (rows.layout, rows.policy) == ("packed", policy)
 
 
 # --- what the loss receives on the same rows ------------------------------------------------------

@@ -36,6 +36,16 @@ def test_packed_fields_are_the_recorded_layout():
     assert f["memopd_call_index"].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
+@pytest.mark.parametrize("policy, mask", [("action", [0, 0, 1, 1, 0, 0, 0, 1]), ("answer", [0, 0, 0, 0, 0, 0, 0, 1]),
+                                          ("memory", [0, 0, 1, 1, 0, 0, 0, 0])])
+@pytest.mark.parametrize("layout", ["packed", "flat"])
+def test_teacher_mask_policy_restricts_m_T_to_its_calls(policy, mask, layout):
+    f = layout_fields(3, 8, _extra(_episode()), layout, "row x", policy)
+    assert f["memopd_teacher_mask"].tolist() == mask  # m_T <= m_act = [0, 0, 1, 1, 0, 0, 0, 1]
+    with pytest.raises(MemopdRowError, match="row x: memopd.distill.teacher_mask='calls'"):
+        layout_fields(3, 8, _extra(_episode()), layout, "row x", "calls")
+
+
 def test_flat_fields_are_one_causal_sequence():
     ep = _episode()
     f = layout_fields(3, 8, _extra(ep), "flat", "row x")

@@ -153,7 +153,12 @@ def full_config() -> ExperimentConfig:
         # no arm beat the student at lr 1e-4: is the step too large, or the distillation term too strong?
         # "base" reruns the arms' own settings under the sweep's code (its reference if the code has moved on)
         sweep=SweepConfig(variants=(Variant("base"), Variant("lr3e-5", lr=3e-5), Variant("lr1e-5", lr=1e-5),
-                                    Variant("lambda0.1", overrides=("memopd.distill.coef=0.1",), only=("memopd",))),
+                                    Variant("lambda0.1", overrides=("memopd.distill.coef=0.1",), only=("memopd",)),
+                                    # which calls' supervision moves the memory: the answer call's or the memory calls'
+                                    Variant("mask-answer", overrides=("memopd.distill.teacher_mask=answer",),
+                                            only=("memopd",)),
+                                    Variant("mask-memory", overrides=("memopd.distill.teacher_mask=memory",),
+                                            only=("memopd",))),
                           arms=("memopd", "ppo")),
     )
 

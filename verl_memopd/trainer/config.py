@@ -23,7 +23,9 @@ TRAINER_LAYOUTS = ("packed", "per_call", "flat")
 #: (positions 0..L-1, one causal segment; the paper's persistent-history teacher scoring).
 TEACHER_STATES = ("aligned", "flat")
 TEACHER_PLACEMENTS = ("separate", "colocate")
-TEACHER_MASK_POLICIES = ("action",)
+#: m_T <= m_act: action = every sampled token (the paper's main setting); answer = the final (answer) call's
+#: tokens only; memory = the memory calls' tokens only (ablations: where does the teacher's supervision act?)
+TEACHER_MASK_POLICIES = ("action", "answer", "memory")
 AUDIT_ON_FAILURE = ("raise", "warn")  # memopd.audit.on_failure (verl_memopd.trainer.audit.rce_check)
 
 
@@ -64,7 +66,8 @@ class DistillConfig:
     coef: lambda >= 0; 0 = PPO only (no teacher is started).
     divergence: reverse_kl (paper) | forward_kl | jsd.  transport: hidden (exact) | topk.
     topk: tokens per position the ``topk`` transport ships (default null = 128); refused with ``hidden``.
-    teacher_mask: which sampled tokens the teacher supervises; ``action`` = m_T = m_act (paper's main setting).
+    teacher_mask: which sampled tokens the teacher supervises (``TEACHER_MASK_POLICIES``): ``action`` = m_T = m_act
+    (paper's main setting), ``answer`` = the final call's, ``memory`` = the memory calls'.
     token_clamp: optional cap on each token's divergence.  token_chunk_size: tokens per chunk.
     """
 

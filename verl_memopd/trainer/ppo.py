@@ -161,9 +161,12 @@ class MemopdTrainer(PPOTrainerSync):
             value[self.resource_pool_manager.get_resource_pool(actor_role)][TEACHER_ROLE] = self._teacher_class()
 
     # --- one step ---------------------------------------------------------------------------
+    def _restore_layout(self, batch, layout: str) -> dict[str, float]:
+        return restore_layout(batch, layout, self.memopd.share_prefix_across_group, self.memopd.distill.teacher_mask)
+
     def _compute_old_log_prob(self, batch, metrics):
         with marked_timer("memopd_layout", self.timing_raw, color="white"):
-            metrics.update(restore_layout(batch, self.memopd.layout, self.memopd.share_prefix_across_group))
+            metrics.update(self._restore_layout(batch, self.memopd.layout))
         audit = self.memopd.audits_at(self.global_steps)
         rce = audit and self.memopd.audit.rce
         if rce:
@@ -192,11 +195,11 @@ class MemopdTrainer(PPOTrainerSync):
             with marked_timer(name, self.timing_raw, color="purple"):
                 if teacher_pass.layout != layout:
                     layout = teacher_pass.layout
-                    restore_layout(batch, layout, self.memopd.share_prefix_across_group)
+                    self._restore_layout(batch, layout)
                 self._score_with_teacher(batch, output_key=teacher_pass.output_key)
         if layout != self.memopd.layout:
             with marked_timer("memopd_layout", self.timing_raw, color="white"):
-                restore_layout(batch, self.memopd.layout, self.memopd.share_prefix_across_group)
+                self._restore_layout(batch, self.memopd.layout)
 
     def _score_with_teacher(self, batch, output_key=None):
         """The teacher worker group scores the rows' current layout into TransferQueue: the transport's

@@ -7,7 +7,8 @@ for the step's keys, the fields every later forward reads (actor, ref, critic, t
 
     position_ids          (P + R,) restored positions      | flat layout: 0..P+R-1 (verl's own)
     memopd_segment_ids    (P + R,) 0 = q, t+1 = call t      | flat layout: all 0 (one causal segment)
-    memopd_teacher_mask   (R,) m_T per response token
+    memopd_teacher_mask   (R,) m_T per response token: the agent's, restricted by ``memopd.distill.teacher_mask``
+                          (action: as recorded; answer: the last call's tokens; memory: the other calls')
     memopd_call_index     (R,) call t of each response token (per-invocation metrics)
     memopd_calls_alone    () 1 under the per_call layout (the packed fields, executed call by call,
                           calls.py), else 0 -- always written, so re-laying out a step's rows (the
@@ -44,8 +45,10 @@ class MemopdRowError(ValueError):
     """A row that does not carry a MemOPD episode layout."""
 
 
-def layout_fields(prompt_len: int, response_len: int, extra: dict, layout: str, where: str) -> dict:
-    """The restored fields of one row (``extra``: its agent-loop ``extra_fields``) under ``layout``."""
+def layout_fields(prompt_len: int, response_len: int, extra: dict, layout: str, where: str,
+                  teacher_mask_policy: str = "action") -> dict:
+    """The restored fields of one row (``extra``: its agent-loop ``extra_fields``) under ``layout``; the
+    teacher mask restricted to the calls ``teacher_mask_policy`` names (config.TEACHER_MASK_POLICIES)."""
     missing = [k for k in (EXTRA_POSITION_IDS, EXTRA_SEGMENT_IDS, EXTRA_TEACHER_MASK) if k not in extra]
     if missing:
         raise MemopdRowError(f"{where}: no {missing} in extra_fields; MemOPD rows come from the memory agent "
@@ -58,10 +61,23 @@ def layout_fields(prompt_len: int, response_len: int, extra: dict, layout: str, 
         raise MemopdRowError(f"{where}: layout lengths (positions {positions.numel()}, segments {segments.numel()}, "
                              f"teacher mask {teacher_mask.numel()}) do not match prompt {p} + response {r}")
     calls = (segments[p:] - 1).clamp(min=0)
+    teacher_mask = teacher_mask * _supervised_calls(calls, teacher_mask_policy, where)
     if layout == "flat":
         positions, segments = torch.arange(p + r), torch.zeros(p + r, dtype=torch.int64)
     fields = {"position_ids": positions, SEGMENT_IDS: segments, TEACHER_MASK: teacher_mask, CALL_INDEX: calls}
     return _execution(fields, layout)
+
+
+def _supervised_calls(calls: torch.Tensor, policy: str, where: str) -> torch.Tensor:
+    """(R,) int64: 1 on the response tokens of the calls ``policy`` lets the teacher supervise."""
+    last = calls == calls.max()
+    if policy == "action":
+        return torch.ones_like(calls)
+    if policy == "answer":
+        return last.long()
+    if policy == "memory":
+        return (~last).long()
+    raise MemopdRowError(f"{where}: memopd.distill.teacher_mask={policy!r}: expected action, answer or memory")
 
 
 def padding_fields(prompt_len: int, response_len: int, layout: str) -> dict:
@@ -100,10 +116,11 @@ def prompt_groups(keys: list[str], share: bool) -> list[int]:
     return [uids.setdefault(key.split("_")[0], len(uids)) for key in keys]
 
 
-def restore_layout(batch, layout: str, share_prefix: bool = False) -> dict[str, float]:
+def restore_layout(batch, layout: str, share_prefix: bool = False, teacher_mask_policy: str = "action") -> dict[str, float]:
     """Rewrite the layout fields of ``batch`` (a KVBatchMeta of the step) in TransferQueue;
     returns the step's :func:`sharing_metrics`. ``share_prefix``: the rows of one prompt group
-    may compute their common ``q`` once (``memopd.share_prefix_across_group``; packed layout)."""
+    may compute their common ``q`` once (``memopd.share_prefix_across_group``; packed layout).
+    ``teacher_mask_policy``: ``memopd.distill.teacher_mask``."""
     data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                            select_fields=["prompts", "responses", "extra_fields"])
     rows, lengths, prompts = [], [], {}
@@ -114,7 +131,8 @@ def restore_layout(batch, layout: str, share_prefix: bool = False) -> dict[str, 
         if tag.get("is_padding", False):
             rows.append(padding_fields(p, r, layout) | {PROMPT_GROUP: torch.tensor(-1)})
             continue
-        rows.append(layout_fields(p, r, extra, layout, f"row {key}") | {PROMPT_GROUP: torch.tensor(group)})
+        rows.append(layout_fields(p, r, extra, layout, f"row {key}", teacher_mask_policy)
+                    | {PROMPT_GROUP: torch.tensor(group)})
         lengths.append((p + r, extra))
         if group >= 0:
             prompts.setdefault((group, tuple(prompt.tolist())), []).append(p)
