@@ -120,6 +120,16 @@ def test_csv_round_trip_and_summary_line(tmp_path):
     assert any(line.startswith("memopd") and "0.0100" in line for line in lines)  # std over seeds
 
 
+def test_diagnose_names_the_teacher_the_start_and_finished_arms(tmp_path):
+    from verl_memopd.experiment.evaluate import diagnose_names
+
+    cfg, paths = full_config(), Paths(tmp_path / "runs", tmp_path / "results")
+    for arm in ("memopd", "ppo"):
+        paths.arm(arm, 0).mkdir(parents=True)
+    (paths.arm("ppo", 0) / "DONE.json").write_text("{}")  # memopd seed 0 still running: left out
+    assert diagnose_names(cfg, paths) == ["teacher", "student", "ppo_seed0"]
+
+
 def test_sensitivity_table_puts_each_variant_under_its_base_arm():
     sweep = [dict(r, arm=f"{r['arm']}@lr1e-5", f1=r["f1"] + 0.1) for r in _rows() if r["arm"] in ("memopd", "ppo")
              and r["seed"] == 0]

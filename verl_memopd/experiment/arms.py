@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from verl_memopd.experiment.config import ARMS, ExperimentConfig, Paths, Variant
-from verl_memopd.experiment.evaluate import eval_model
+from verl_memopd.experiment.evaluate import eval_model, start_models
 from verl_memopd.experiment.launch import main_ppo
 from verl_memopd.experiment.runner import heavy, heavy_wall_s, run_logged
 from verl_memopd.launching import cpu_env
@@ -88,30 +88,27 @@ def _train(cfg: ExperimentConfig, paths: Paths, run_dir: Path, what: str, comman
     return final
 
 
+def _done(run_dir: Path, final: Path) -> dict:
+    """The run's ``DONE.json`` record: wall seconds (after the heavy lock) and the final actor export."""
+    return {"wall_s": round(heavy_wall_s(run_dir / "main_ppo.log"), 1), "final_actor": str(final)}
+
+
 def run_arm(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, teacher) -> None:
     run_dir = paths.arm(arm, seed)
     if (run_dir / "DONE.json").is_file():
         return print(f"[experiment] arm {arm} seed {seed}: done", flush=True)
     a = cfg.arms
     final = _train(cfg, paths, run_dir, f"arm {arm} seed {seed}", arm_command(cfg, paths, arm, seed, student, teacher))
-    done = {"wall_s": round(heavy_wall_s(run_dir / "main_ppo.log"), 1), "final_actor": str(final)}
+    done = _done(run_dir, final)
     if cfg.final_evals:
         done["test_f1"] = eval_model(final, paths.data / "test.parquet", run_dir / "test.json", cfg, paths,
                                      {"role": arm, "seed": seed, "step": a.steps, "split": "test"})["f1"]
     (run_dir / "DONE.json").write_text(json.dumps(done) + "\n")
 
 
-def _start_models(cfg: ExperimentConfig, paths: Paths) -> tuple[Path, Path]:
-    """(student, teacher) HF folders every arm starts from: the chosen student checkpoint, the final teacher."""
-    from verl_memopd.experiment.sft import hf_export
-
-    step = json.loads((paths.evals() / "student_choice.json").read_text())["step"]
-    return hf_export(paths.sft("student"), step), hf_export(paths.sft("teacher"), cfg.teacher_sft.steps)
-
-
 def stage_arms(cfg: ExperimentConfig, paths: Paths) -> None:
     check_arm_overrides(cfg.arms.arms)
-    student, teacher = _start_models(cfg, paths)
+    student, teacher = start_models(cfg, paths)
     for seed in cfg.arms.seeds:  # seed-major: a partial run has every arm at the same seeds
         for arm in cfg.arms.arms:
             run_arm(cfg, paths, arm, seed, student, teacher)
@@ -123,7 +120,7 @@ def stage_sweep(cfg: ExperimentConfig, paths: Paths) -> None:
         return print("[experiment] sweep: none configured", flush=True)
     runs = cfg.sweep.runs()
     check_arm_overrides((), tuple(runs))
-    student, teacher = _start_models(cfg, paths)
+    student, teacher = start_models(cfg, paths)
     seed = cfg.sweep.seed
     for variant, arm in runs:
         run_dir = paths.sweep_run(variant.name, arm, seed)
@@ -132,5 +129,4 @@ def stage_sweep(cfg: ExperimentConfig, paths: Paths) -> None:
             continue
         final = _train(cfg, paths, run_dir, f"sweep {variant.name} {arm} seed {seed}",
                        arm_command(cfg, paths, arm, seed, student, teacher, variant))
-        (run_dir / "DONE.json").write_text(json.dumps({"wall_s": round(heavy_wall_s(run_dir / "main_ppo.log"), 1),
-                                                       "final_actor": str(final)}) + "\n")
+        (run_dir / "DONE.json").write_text(json.dumps(_done(run_dir, final)) + "\n")

@@ -211,6 +211,14 @@ class Paths:
         return self.results / "sensitivity.csv"
 
     @property
+    def diagnose(self) -> Path:
+        return self.root / "diagnose"
+
+    @property
+    def diagnostics_csv(self) -> Path:
+        return self.results / "diagnostics.csv"
+
+    @property
     def metrics_csv(self) -> Path:
         return self.results / "metrics.csv"
 

@@ -27,8 +27,8 @@ from verl_memopd.experiment.launch import main_ppo, read_log, val_scores
 from verl_memopd.experiment.runner import heavy, heavy_wall_s, run_logged
 from verl_memopd.launching import cpu_env, parse_steps
 
-__all__ = ["eval_command", "eval_model", "eval_sft_checkpoint", "stage_eval", "chosen_student", "diagnose_models",
-           "stage_diagnose", "EvalResult"]
+__all__ = ["eval_command", "eval_model", "eval_sft_checkpoint", "stage_eval", "chosen_student", "start_models",
+           "diagnose_names", "stage_diagnose", "EvalResult"]
 
 EvalResult = dict  # {"role", "step", "split", "f1", "em", "wall_s", "model"} (+ "memory_recall", "memory_truncated")
 
@@ -112,30 +112,37 @@ def stage_eval(cfg: ExperimentConfig, paths: Paths) -> None:
               "(the arms still run; the report shows it)", flush=True)
 
 
-def diagnose_models(cfg: ExperimentConfig, paths: Paths) -> list[tuple[str, Path]]:
-    """(name, HF folder) of the models the diagnose stage evaluates: the final teacher, the RL start and
-    each arm's final actor at the first seed (arms that are not done are left out)."""
+def start_models(cfg: ExperimentConfig, paths: Paths) -> tuple[Path, Path]:
+    """(student, teacher) HF folders the arms start from: the chosen student checkpoint, the final teacher."""
     from verl_memopd.experiment.sft import hf_export
 
-    start = json.loads((paths.evals() / "student_choice.json").read_text())["step"]
-    models = [("teacher", hf_export(paths.sft("teacher"), cfg.teacher_sft.steps)),
-              ("student", hf_export(paths.sft("student"), start))]
+    step = json.loads((paths.evals() / "student_choice.json").read_text())["step"]
+    return hf_export(paths.sft("student"), step), hf_export(paths.sft("teacher"), cfg.teacher_sft.steps)
+
+
+def _diagnosed_arms(cfg: ExperimentConfig, paths: Paths) -> list[tuple[str, Path]]:
+    """(name, DONE.json) of each finished arm at the first seed."""
     seed = cfg.arms.seeds[0]
-    for arm in cfg.arms.arms:
-        done = paths.arm(arm, seed) / "DONE.json"
-        if done.is_file():
-            models.append((f"{arm}_seed{seed}", Path(json.loads(done.read_text())["final_actor"])))
-    return models
+    done = [(f"{arm}_seed{seed}", paths.arm(arm, seed) / "DONE.json") for arm in cfg.arms.arms]
+    return [(name, path) for name, path in done if path.is_file()]
+
+
+def diagnose_names(cfg: ExperimentConfig, paths: Paths) -> list[str]:
+    """The models the diagnose stage evaluates, in order: the final teacher, the RL start and each arm's
+    final actor at the first seed (arms that are not done are left out); ``diagnose/<name>_val.json``."""
+    return ["teacher", "student", *(name for name, _ in _diagnosed_arms(cfg, paths))]
 
 
 def stage_diagnose(cfg: ExperimentConfig, paths: Paths) -> None:
     if not cfg.diagnose:
         return print("[experiment] diagnose: off", flush=True)
-    out = paths.root / "diagnose"
-    out.mkdir(parents=True, exist_ok=True)
-    for name, model in diagnose_models(cfg, paths):
-        r = eval_model(model, paths.data / "val.parquet", out / f"{name}_val.json", cfg, paths,
-                       {"role": name, "split": "val"})
+    student, teacher = start_models(cfg, paths)
+    models = [("teacher", teacher), ("student", student)]
+    models += [(name, Path(json.loads(done.read_text())["final_actor"])) for name, done in _diagnosed_arms(cfg, paths)]
+    paths.diagnose.mkdir(parents=True, exist_ok=True)
+    for name, model in models:
+        out = paths.diagnose / f"{name}_val.json"
+        r = eval_model(model, paths.data / "val.parquet", out, cfg, paths, {"role": name, "split": "val"})
         if "memory_recall" not in r:
-            raise RuntimeError(f"{out / f'{name}_val.json'}: no memory diagnostics; the agent loop that ran predates "
-                               "them (delete the file to rerun)")
+            raise RuntimeError(f"{out}: no memory diagnostics; the agent loop that ran predates them "
+                               "(delete the file to rerun)")

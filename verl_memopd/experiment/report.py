@@ -28,8 +28,8 @@ from verl_memopd.experiment.config import ARMS, ExperimentConfig, Paths
 from verl_memopd.experiment.launch import read_log, val_scores
 from verl_memopd.launching import parse_steps
 
-__all__ = ["COLUMNS", "DIAGNOSTIC_COLUMNS", "diagnostic_lines", "collect_rows", "collect_sweep_rows", "write_metrics", "read_metrics", "summary_lines",
-           "sensitivity_lines", "stage_report"]
+__all__ = ["COLUMNS", "DIAGNOSTIC_COLUMNS", "collect_rows", "collect_sweep_rows", "write_metrics", "read_metrics",
+           "summary_lines", "sensitivity_lines", "diagnostic_lines", "stage_report"]
 
 COLUMNS = ("arm", "seed", "step", "split", "f1", "em", "reverse_kl", "teacher_aligned_vs_flat_kl", "wall_s")
 Row = dict
@@ -176,12 +176,12 @@ def diagnostic_lines(results: list[dict]) -> list[str]:
 
 
 def _write_diagnostics(cfg: ExperimentConfig, paths: Paths) -> list[dict]:
-    from verl_memopd.experiment.evaluate import diagnose_models
+    from verl_memopd.experiment.evaluate import diagnose_names
 
-    files = [paths.root / "diagnose" / f"{name}_val.json" for name, _ in diagnose_models(cfg, paths)]
+    files = [paths.diagnose / f"{name}_val.json" for name in diagnose_names(cfg, paths)]
     results = [json.loads(f.read_text()) for f in files if f.is_file()]
     if results:
-        with open(paths.results / "diagnostics.csv", "w", newline="") as f:
+        with open(paths.diagnostics_csv, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(DIAGNOSTIC_COLUMNS)
             for r in results:
@@ -203,6 +203,6 @@ def stage_report(cfg: ExperimentConfig, paths: Paths) -> None:
         print("\n".join(sensitivity_lines(read_metrics(paths.sensitivity_csv), rows, cfg.sweep.seed)))
     diagnostics = _write_diagnostics(cfg, paths) if cfg.diagnose else []
     if diagnostics:
-        print(f"[experiment] diagnostics (val): {paths.results / 'diagnostics.csv'}")
+        print(f"[experiment] diagnostics (val): {paths.diagnostics_csv}")
         print("\n".join(diagnostic_lines(diagnostics)))
     print("\n".join(summary_lines(rows)), flush=True)

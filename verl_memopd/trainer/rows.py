@@ -70,9 +70,9 @@ def layout_fields(prompt_len: int, response_len: int, extra: dict, layout: str, 
 
 def _supervised_calls(calls: torch.Tensor, policy: str, where: str) -> torch.Tensor:
     """(R,) int64: 1 on the response tokens of the calls ``policy`` lets the teacher supervise."""
-    last = calls == calls.max()
     if policy == "action":
         return torch.ones_like(calls)
+    last = calls == calls.max()
     if policy == "answer":
         return last.long()
     if policy == "memory":
