@@ -7,7 +7,10 @@ state the agent sees; verl's ``MultiTurnSFTDataset`` puts the loss on the assist
 Training: ``torchrun -m verl.trainer.sft_trainer`` (the ``cpu`` platform of the plugin supplies the
 gloo process group, ``platform/patches.py``). ``trainer.resume_mode=auto``: a rerun continues from
 the newest checkpoint in the run folder. The stage is done when ``DONE.json`` names the final
-Hugging Face export.
+Hugging Face export. A finished run whose config now asks for more steps is **extended**: verl resumes
+from its last checkpoint with the new ``total_training_steps``, so from there on the lr follows the
+longer cosine schedule (a warm restart: not the schedule a fresh run of that length would have had);
+``DONE.json`` keeps the earlier record under ``extends``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from verl_memopd.experiment.config import SftConfig
 from verl_memopd.experiment.runner import run_logged
 from verl_memopd.launching import parse_steps
 
-__all__ = ["build_sft_data", "sft_command", "run_sft", "fp32_export", "hf_export", "saved_steps", "sft_losses"]
+__all__ = ["build_sft_data", "sft_command", "run_sft", "fp32_export", "hf_export", "saved_steps", "sft_losses",
+           "finished_sft"]
 
 #: the overrides that make verl's SFT trainer run (and run fast) on CPU; see shared CPU_NOTES.md
 CPU_SFT_OVERRIDES = (
@@ -111,12 +115,24 @@ def run_sft(model: Path, sft_data: Path, run_dir: Path, cfg: SftConfig, name: st
     (0.8-30 s/step measured here); it checkpoints every ``save_every`` steps, so stopping it loses little.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
+    earlier = finished_sft(run_dir)
+    if earlier is not None and earlier["steps"] > cfg.steps:
+        raise ValueError(f"{name}: {run_dir} finished {earlier['steps']} steps, more than the {cfg.steps} asked "
+                         "for; a shorter run is a new run folder")
     wall = run_logged(sft_command(model, sft_data, run_dir, cfg, name), run_dir / "sft.log", env, None)
     if cfg.steps not in saved_steps(run_dir):
         raise RuntimeError(f"{name}: verl's SFT trainer ended without a checkpoint at step {cfg.steps}; "
                            f"see {run_dir / 'sft.log'}")
     hf = hf_export(run_dir, cfg.steps)
     losses = sft_losses((run_dir / "sft.log").read_text(errors="replace"))
-    (run_dir / "DONE.json").write_text(json.dumps({"steps": cfg.steps, "hf": str(hf), "wall_s": wall,
-                                                   "losses": losses}, indent=1) + "\n")
+    done = {"steps": cfg.steps, "hf": str(hf), "wall_s": wall + (earlier or {}).get("wall_s", 0.0), "losses": losses}
+    if earlier is not None:
+        done["extends"] = {k: v for k, v in earlier.items() if k != "losses"}
+    (run_dir / "DONE.json").write_text(json.dumps(done, indent=1) + "\n")
     return hf
+
+
+def finished_sft(run_dir: Path) -> dict | None:
+    """The ``DONE.json`` record of a finished SFT run (steps, hf, wall_s, losses[, extends]), or None."""
+    done = run_dir / "DONE.json"
+    return json.loads(done.read_text()) if done.is_file() else None
