@@ -148,6 +148,77 @@ def test_diagnostic_table_has_a_line_per_model():
                                                      ["memopd_seed0", "0.2000", "0.1000", "0.3000", "0.6000"]]
 
 
+def test_score_calls_counts_exact_replies_per_call():
+    from verl_memopd.experiment.calls import score_calls
+
+    def chat(call, reply):
+        return call, [{"role": "user", "content": "q"}, {"role": "user", "content": f"call {call}"},
+                      {"role": "assistant", "content": reply}]
+
+    right = {"call 0": "Mara Tovin lives in Orin.", "call 1": "1: Orin"}
+    rows = [chat(0, "Mara Tovin lives in Orin."), chat(1, "1: Orin"), chat(1, "1: Orla"), chat(0, "(empty)")]
+    scores = score_calls(rows, lambda messages: right[messages[-1]["content"]] + "\n")
+    assert scores == [{"call": 0, "exact": 1, "n": 2}, {"call": 1, "exact": 1, "n": 2}]
+    with pytest.raises(ValueError, match="call 3: the last message must be the oracle's reply"):
+        score_calls([(3, [{"role": "user", "content": "q"}])], lambda messages: "")
+
+
+def test_call_accuracy_runs_the_model_on_each_trace_and_caches(tmp_path, tiny_models):
+    import pandas as pd
+
+    from verl_memopd.experiment.calls import call_accuracy
+
+    messages = [{"role": "user", "content": "Questions: 1. Where does Mara Tovin live?"},
+                {"role": "user", "content": "Memory:\n(empty)\n\nWrite the updated memory."},
+                {"role": "assistant", "content": "Mara Tovin lives in Orin."}]
+    pd.DataFrame({"episode_id": ["val-0"] * 3, "call": [0, 1, 1], "messages": [messages] * 3}).to_parquet(
+        tmp_path / "val.parquet")
+    out = tmp_path / "student_calls.json"
+    scores = call_accuracy(tiny_models.student, tmp_path / "val.parquet", out, max_new_tokens=4)
+    assert [(c["call"], c["n"]) for c in scores] == [(0, 1), (1, 2)]
+    assert all(c["exact"] == 0 for c in scores)  # a random model does not write the reply in 4 tokens
+    assert call_accuracy(tmp_path / "no-model", tmp_path / "val.parquet", out, max_new_tokens=4) == scores
+
+
+def test_call_accuracy_table_has_a_column_per_call():
+    from verl_memopd.experiment.report import call_accuracy_lines
+
+    lines = call_accuracy_lines({"teacher": [{"call": 0, "exact": 3, "n": 4}, {"call": 1, "exact": 1, "n": 4}],
+                                 "student": [{"call": 1, "exact": 0, "n": 4}]})
+    assert lines[0].split()[-4:] == ["call", "0", "call", "1"]
+    assert [line.split() for line in lines[1:]] == [["teacher", "0.7500", "0.2500"], ["student", "na", "0.0000"]]
+
+
+def test_a_finished_sft_run_is_extended_not_redone(tmp_path, monkeypatch):
+    import json
+
+    from verl_memopd.experiment import sft
+
+    run_dir = tmp_path / "teacher"
+    ran = []
+
+    def fake_verl(cmd, log, env, timeout_s):  # what verl's SFT trainer leaves: checkpoints and a step log
+        steps = int(next(a for a in cmd if a.startswith("trainer.total_training_steps=")).split("=")[1])
+        ran.append(steps)
+        (run_dir / "checkpoints" / f"global_step_{steps}" / "huggingface").mkdir(parents=True)
+        (run_dir / "checkpoints" / f"global_step_{steps}" / "huggingface" / "config.json").write_text("{}")
+        with open(log, "a") as f:
+            f.write(f"step:{steps} - train/loss:{1 / steps}\n")
+        return 10.0
+
+    monkeypatch.setattr(sft, "run_logged", fake_verl)
+    first = SftConfig(steps=4, batch=2, lr=1e-3, save_every=2)
+    sft.run_sft(tmp_path / "model", tmp_path / "data", run_dir, first, "t", {})
+    sft.run_sft(tmp_path / "model", tmp_path / "data", run_dir, SftConfig(steps=8, batch=2, lr=1e-3, save_every=2),
+                "t", {})
+    done = sft.finished_sft(run_dir)
+    assert ran == [4, 8] and done["steps"] == 8 and done["wall_s"] == 20.0
+    assert done["extends"]["steps"] == 4 and set(done["losses"]) == {"4", "8"}
+    assert json.loads((run_dir / "checkpoints/global_step_8/huggingface/config.json").read_text())["dtype"] == "float32"
+    with pytest.raises(ValueError, match="finished 8 steps, more than the 4 asked for"):
+        sft.run_sft(tmp_path / "model", tmp_path / "data", run_dir, first, "t", {})
+
+
 def test_summary_of_a_partial_run_says_na(tmp_path):
     path = tmp_path / "metrics.csv"
     write_metrics([r for r in _rows() if r["arm"] in ("teacher", "student")], path)

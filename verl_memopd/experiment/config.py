@@ -221,6 +221,10 @@ class Paths:
         return self.results / "diagnostics.csv"
 
     @property
+    def call_accuracy_csv(self) -> Path:
+        return self.results / "call_accuracy.csv"
+
+    @property
     def metrics_csv(self) -> Path:
         return self.results / "metrics.csv"
 

@@ -12,8 +12,9 @@ both chosen models on the test split. Results: ``eval/<role>_step<N>_<split>.jso
 The diagnose stage evaluates, on val, the models whose difference the table reports (the final teacher,
 the RL start, each arm's final actor at the first seed) with the agent's memory diagnostics: how many
 answers the final memory still holds (``memory_recall``) and how often a memory call hits its budget
-(``memory_truncated``), so a drop in F1 can be traced to the memory or to the answer call.
-Results: ``diagnose/<model>_val.json``.
+(``memory_truncated``), so a drop in F1 can be traced to the memory or to the answer call; and each
+model's accuracy per call given the oracle's state (``calls.py``), so it can be traced to a call.
+Results: ``diagnose/<model>_val.json``, ``diagnose/<model>_calls.json``.
 """
 
 from __future__ import annotations
@@ -146,3 +147,11 @@ def stage_diagnose(cfg: ExperimentConfig, paths: Paths) -> None:
         if "memory_recall" not in r:
             raise RuntimeError(f"{out}: no memory diagnostics; the agent loop that ran predates them "
                                "(delete the file to rerun)")
+    from verl_memopd.agent.loop import MemoryAgentConfig
+    from verl_memopd.experiment.calls import call_accuracy
+
+    budget = MemoryAgentConfig().memory_tokens  # the agent's budget of a memory call (the larger one)
+    for name, model in models:
+        print(f"[experiment {time.strftime('%H:%M:%S')}] diagnose {name}: per-call accuracy from the oracle's "
+              f"state ({paths.sft_data / 'val.parquet'}, ETA ~{cfg.n_val // 2} s)", flush=True)
+        call_accuracy(model, paths.sft_data / "val.parquet", paths.diagnose / f"{name}_calls.json", budget)

@@ -11,9 +11,10 @@
     sweep         sensitivity on val only: arms rerun at seed 0 with one setting          sweep/<variant>_<arm>_seed<s>/DONE.json
                   changed (lr, lambda); no test eval
     diagnose      val evals of teacher, start and the arms' final actors (first seed)    diagnose/<model>_val.json
-                  with the agent's memory diagnostics (answers kept in memory, truncation)
+                  with the agent's memory diagnostics (answers kept in memory, truncation), and
+                  their per-call accuracy from the oracle's state                        diagnose/<model>_calls.json
     report        results/<name>/metrics.csv (from every stage's outputs), f1.png and     always rerun
-                  sensitivity.csv (the sweep's val F1), diagnostics.csv
+                  sensitivity.csv (the sweep's val F1), diagnostics.csv, call_accuracy.csv
 
 The student's SFT runs before the teacher's: it is short, and its checkpoints can be evaluated
 while the teacher trains. verl runs its checkpoints itself (``trainer.resume_mode=auto``), so a

@@ -13,7 +13,8 @@ duplicates. One row per (arm, seed, step, split):
 
 ``sensitivity.csv`` (the sweep stage) has the same columns; its arm is ``<arm>@<variant>`` (e.g.
 ``memopd@lr3e-5``), its rows train and val only. ``diagnostics.csv`` (the diagnose stage): one row per
-model (teacher, student, ``<arm>_seed<s>``), :data:`DIAGNOSTIC_COLUMNS`.
+model (teacher, student, ``<arm>_seed<s>``), :data:`DIAGNOSTIC_COLUMNS`; ``call_accuracy.csv`` (also the
+diagnose stage): one row per (model, call index), :data:`CALL_COLUMNS`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ __all__ = ["COLUMNS", "DIAGNOSTIC_COLUMNS", "collect_rows", "collect_sweep_rows"
 COLUMNS = ("arm", "seed", "step", "split", "f1", "em", "reverse_kl", "teacher_aligned_vs_flat_kl", "wall_s")
 Row = dict
 DIAGNOSTIC_COLUMNS = ("model", "split", "f1", "em", "memory_recall", "memory_truncated")
+#: call_accuracy.csv: exact-match replies per call index given the oracle's state (val traces; calls.py)
+CALL_COLUMNS = ("model", "call", "exact", "n", "accuracy")
 
 
 def _row(arm: str, seed: int, step: int, split: str, f1=None, em=None, reverse_kl=None, flat_kl=None,
@@ -189,6 +192,31 @@ def _write_diagnostics(cfg: ExperimentConfig, paths: Paths) -> list[dict]:
     return results
 
 
+def call_accuracy_lines(results: dict[str, list[dict]]) -> list[str]:
+    """A table of per-call exact match (``{model: [{"call", "exact", "n"}, ...]}``), one column per call."""
+    calls = sorted({c["call"] for scores in results.values() for c in scores})
+    lines = [f"{'model (val, oracle state)':26} " + " ".join(f"{f'call {c}':>8}" for c in calls)]
+    for model, scores in results.items():
+        by_call = {c["call"]: c["exact"] / c["n"] for c in scores}
+        lines.append(f"{model:26} " + " ".join(f"{_fmt(by_call.get(c)):>8}" for c in calls))
+    return lines
+
+
+def _write_call_accuracy(cfg: ExperimentConfig, paths: Paths) -> dict[str, list[dict]]:
+    from verl_memopd.experiment.evaluate import diagnose_names
+
+    files = {name: paths.diagnose / f"{name}_calls.json" for name in diagnose_names(cfg, paths)}
+    results = {name: json.loads(f.read_text())["calls"] for name, f in files.items() if f.is_file()}
+    if results:
+        with open(paths.call_accuracy_csv, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(CALL_COLUMNS)
+            for model, scores in results.items():
+                for c in scores:
+                    w.writerow([model, c["call"], c["exact"], c["n"], f"{c['exact'] / c['n']:.6g}"])
+    return results
+
+
 def stage_report(cfg: ExperimentConfig, paths: Paths) -> None:
     from verl_memopd.experiment.plot import plot_metrics
 
@@ -205,4 +233,8 @@ def stage_report(cfg: ExperimentConfig, paths: Paths) -> None:
     if diagnostics:
         print(f"[experiment] diagnostics (val): {paths.diagnostics_csv}")
         print("\n".join(diagnostic_lines(diagnostics)))
+    calls = _write_call_accuracy(cfg, paths) if cfg.diagnose else {}
+    if calls:
+        print(f"[experiment] per-call accuracy from the oracle's state (val): {paths.call_accuracy_csv}")
+        print("\n".join(call_accuracy_lines(calls)))
     print("\n".join(summary_lines(rows)), flush=True)
