@@ -155,10 +155,12 @@ def test_score_calls_counts_exact_replies_per_call():
         return call, [{"role": "user", "content": "q"}, {"role": "user", "content": f"call {call}"},
                       {"role": "assistant", "content": reply}]
 
-    right = {"call 0": "Mara Tovin lives in Orin.", "call 1": "1: Orin"}
-    rows = [chat(0, "Mara Tovin lives in Orin."), chat(1, "1: Orin"), chat(1, "1: Orla"), chat(0, "(empty)")]
+    right = {"call 0": "Mara Tovin lives in Orin.", "call 1": "1: Orin\n2: 1993"}
+    rows = [chat(0, "Mara Tovin lives in Orin."), chat(1, "1: Orin\n2: 1993"), chat(1, "1: Orla\n2: 1993"),
+            chat(0, "(empty)")]
     scores = score_calls(rows, lambda messages: right[messages[-1]["content"]] + "\n")
-    assert scores == [{"call": 0, "exact": 1, "n": 2}, {"call": 1, "exact": 1, "n": 2}]
+    assert scores == [{"call": 0, "exact": 1, "n": 2, "lines": 1, "lines_n": 2},
+                      {"call": 1, "exact": 1, "n": 2, "lines": 3, "lines_n": 4}]
     with pytest.raises(ValueError, match="call 3: the last message must be the oracle's reply"):
         score_calls([(3, [{"role": "user", "content": "q"}])], lambda messages: "")
 
@@ -175,7 +177,7 @@ def test_call_accuracy_runs_the_model_on_each_trace_and_caches(tmp_path, tiny_mo
         tmp_path / "val.parquet")
     out = tmp_path / "student_calls.json"
     scores = call_accuracy(tiny_models.student, tmp_path / "val.parquet", out, max_new_tokens=4)
-    assert [(c["call"], c["n"]) for c in scores] == [(0, 1), (1, 2)]
+    assert [(c["call"], c["n"], c["lines_n"]) for c in scores] == [(0, 1, 1), (1, 2, 2)]
     assert all(c["exact"] == 0 for c in scores)  # a random model does not write the reply in 4 tokens
     assert call_accuracy(tmp_path / "no-model", tmp_path / "val.parquet", out, max_new_tokens=4) == scores
 
@@ -183,10 +185,12 @@ def test_call_accuracy_runs_the_model_on_each_trace_and_caches(tmp_path, tiny_mo
 def test_call_accuracy_table_has_a_column_per_call():
     from verl_memopd.experiment.report import call_accuracy_lines
 
-    lines = call_accuracy_lines({"teacher": [{"call": 0, "exact": 3, "n": 4}, {"call": 1, "exact": 1, "n": 4}],
-                                 "student": [{"call": 1, "exact": 0, "n": 4}]})
-    assert lines[0].split()[-4:] == ["call", "0", "call", "1"]
-    assert [line.split() for line in lines[1:]] == [["teacher", "0.7500", "0.2500"], ["student", "na", "0.0000"]]
+    lines = call_accuracy_lines({"teacher": [{"call": 0, "exact": 3, "n": 4, "lines": 5, "lines_n": 5},
+                                             {"call": 1, "exact": 1, "n": 4, "lines": 2, "lines_n": 8}],
+                                 "student": [{"call": 1, "exact": 0, "n": 4, "lines": 0, "lines_n": 8}]})
+    assert lines[0].split()[-6:] == ["call", "0", "exact/lines", "call", "1", "exact/lines"]
+    assert [line.split() for line in lines[1:]] == [["teacher", "0.7500/1.0000", "0.2500/0.2500"],
+                                                     ["student", "na", "0.0000/0.0000"]]
 
 
 def test_a_finished_sft_run_is_extended_not_redone(tmp_path, monkeypatch):

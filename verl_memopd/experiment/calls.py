@@ -4,9 +4,11 @@ The agent-loop evals (``evaluate.py``) score whole episodes, where a memory call
 every later call. Here each call is scored alone: for every row of the oracle's val traces
 (``sft_data/val.parquet``: q, the call's message built from the **oracle's** memory, the oracle's reply)
 the model writes its reply greedily from exactly that state (Hugging Face ``generate`` on the model's
-chat template, fp32, CPU) and the call counts as right when the reply equals the oracle's. The result,
-per call index (0..N-1 memory calls, N the answer call), is how good a model is at each call given a
-correct past, e.g. the teacher's quality on later calls, which bounds what its supervision can teach there.
+chat template, fp32, CPU). Two scores per call index (0..N-1 memory calls, N the answer call):
+``exact`` (the reply equals the oracle's) and ``lines`` (how many of the oracle's reply lines, i.e. the
+facts its memory keeps or the ``k: answer`` lines, appear as lines of the reply; ``lines_n`` of them in
+all). They say how good a model is at each call given a correct past, e.g. the teacher's quality on later
+calls, which bounds what its supervision can teach there.
 """
 
 from __future__ import annotations
@@ -18,32 +20,40 @@ from typing import Callable, Iterable, Sequence
 
 __all__ = ["CallScore", "score_calls", "call_accuracy", "greedy_replier"]
 
-CallScore = dict  # {"call": int, "exact": int, "n": int}
+CallScore = dict  # {"call": int, "exact": int, "n": int, "lines": int, "lines_n": int}
 
 #: (chat messages up to the reply) -> the model's reply text
 Replier = Callable[[Sequence[dict]], str]
 
 
 def score_calls(rows: Iterable[tuple[int, Sequence[dict]]], reply: Replier) -> list[CallScore]:
-    """Exact-match counts per call index over ``rows`` of ``(call, messages)``; ``messages[-1]`` is the
-    oracle's reply (role assistant), ``reply`` is asked for the messages before it. Sorted by call."""
-    exact, n = Counter(), Counter()
+    """Exact replies and oracle lines kept, per call index, over ``rows`` of ``(call, messages)``;
+    ``messages[-1]`` is the oracle's reply (role assistant), ``reply`` is asked for the messages before it.
+    Sorted by call."""
+    counts: dict[int, Counter] = {}
     for call, messages in rows:
         if not messages or messages[-1]["role"] != "assistant":
             raise ValueError(f"call {call}: the last message must be the oracle's reply (role 'assistant'), "
                              f"got {messages[-1]['role'] if messages else 'no messages'}")
-        n[call] += 1
-        exact[call] += reply(list(messages[:-1])).strip() == messages[-1]["content"].strip()
-    return [{"call": c, "exact": exact[c], "n": n[c]} for c in sorted(n)]
+        got, want = reply(list(messages[:-1])).strip(), messages[-1]["content"].strip()
+        got_lines, want_lines = _lines(got), _lines(want)
+        c = counts.setdefault(call, Counter())
+        c.update(n=1, exact=int(got == want), lines=len(want_lines & got_lines), lines_n=len(want_lines))
+    return [{"call": call, **{k: c[k] for k in ("exact", "n", "lines", "lines_n")}} for call, c in sorted(counts.items())]
+
+
+def _lines(text: str) -> set[str]:
+    return {line.strip() for line in text.splitlines() if line.strip()}
 
 
 def greedy_replier(model_dir: Path, max_new_tokens: int) -> Replier:
-    """Greedy replies of the Hugging Face model in ``model_dir`` (fp32, CPU), stopping at its EOS."""
+    """Greedy replies of the Hugging Face model in ``model_dir`` (fp32, CPU, sdpa attention: an RL actor's export
+    names the plugin's packed attention, which a single unpacked sequence does not need), stopping at its EOS."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
 
     def reply(messages: Sequence[dict]) -> str:
         ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, return_tensors="pt",

@@ -36,7 +36,7 @@ COLUMNS = ("arm", "seed", "step", "split", "f1", "em", "reverse_kl", "teacher_al
 Row = dict
 DIAGNOSTIC_COLUMNS = ("model", "split", "f1", "em", "memory_recall", "memory_truncated")
 #: call_accuracy.csv: exact-match replies per call index given the oracle's state (val traces; calls.py)
-CALL_COLUMNS = ("model", "call", "exact", "n", "accuracy")
+CALL_COLUMNS = ("model", "call", "exact", "n", "accuracy", "lines", "lines_n", "line_recall")
 
 
 def _row(arm: str, seed: int, step: int, split: str, f1=None, em=None, reverse_kl=None, flat_kl=None,
@@ -193,12 +193,13 @@ def _write_diagnostics(cfg: ExperimentConfig, paths: Paths) -> list[dict]:
 
 
 def call_accuracy_lines(results: dict[str, list[dict]]) -> list[str]:
-    """A table of per-call exact match (``{model: [{"call", "exact", "n"}, ...]}``), one column per call."""
+    """Per-call exact match and line recall (``{model: [{"call", "exact", "n", "lines", "lines_n"}, ...]}``),
+    one ``exact/lines`` column per call."""
     calls = sorted({c["call"] for scores in results.values() for c in scores})
-    lines = [f"{'model (val, oracle state)':26} " + " ".join(f"{f'call {c}':>8}" for c in calls)]
+    lines = [f"{'model (val, oracle state)':26} " + " ".join(f"{f'call {c} exact/lines':>20}" for c in calls)]
     for model, scores in results.items():
-        by_call = {c["call"]: c["exact"] / c["n"] for c in scores}
-        lines.append(f"{model:26} " + " ".join(f"{_fmt(by_call.get(c)):>8}" for c in calls))
+        by_call = {c["call"]: f"{_fmt(c['exact'] / c['n'])}/{_fmt(c['lines'] / c['lines_n'])}" for c in scores}
+        lines.append(f"{model:26} " + " ".join(f"{by_call.get(c, 'na'):>20}" for c in calls))
     return lines
 
 
@@ -213,7 +214,8 @@ def _write_call_accuracy(cfg: ExperimentConfig, paths: Paths) -> dict[str, list[
             w.writerow(CALL_COLUMNS)
             for model, scores in results.items():
                 for c in scores:
-                    w.writerow([model, c["call"], c["exact"], c["n"], f"{c['exact'] / c['n']:.6g}"])
+                    w.writerow([model, c["call"], c["exact"], c["n"], f"{c['exact'] / c['n']:.6g}", c["lines"],
+                                c["lines_n"], f"{c['lines'] / c['lines_n']:.6g}"])
     return results
 
 
