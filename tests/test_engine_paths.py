@@ -139,3 +139,31 @@ def test_remove_padding_path_through_the_engine_equals_padded_and_calls_alone(mo
     print(f"engine forward_step, {str(dtype)[6:]} autocast: max |stream - padded| = {paths:.3g}, "
           f"max |log p stream - log p call alone| = {alone:.3g} (budget {budget:.3g})")
     assert paths <= budget and alone <= budget
+
+
+def test_saved_actor_config_names_stock_attention(tmp_path, monkeypatch):
+    """The actor trains with the packed ``memopd_torch`` attention (verl's override_config puts it on the model
+    config); what ``save_checkpoint`` writes must load and run in plain transformers, and the model keeps
+    training packed afterwards."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    model = student_model(VOCAB, attention="torch")
+    model.config.attn_implementation = "memopd_torch"  # what verl's override_config leaves on the config
+    saved = []
+
+    def verl_save(self, local_path, *args, **kwargs):  # the part of verl's FSDP save that writes the HF folder
+        self.module.config.save_pretrained(f"{local_path}/huggingface")
+        self.module.save_pretrained(f"{local_path}/huggingface")
+        saved.append(self.module.config._attn_implementation)
+
+    monkeypatch.setattr(transformer_impl.FSDPEngineWithLMHead, "save_checkpoint", verl_save)
+    engine = _engine(model, torch.float32)
+    engine.save_checkpoint(str(tmp_path), None, 1, None)
+    config = json.loads((tmp_path / "huggingface" / "config.json").read_text())
+    assert saved == ["sdpa"] and config.get("attn_implementation", "sdpa") == "sdpa", config.get("attn_implementation")
+    assert model.config._attn_implementation == model.config.attn_implementation == "memopd_torch"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "huggingface")  # no plugin attention needed
+    assert loaded.config._attn_implementation == "sdpa"
+    loaded(input_ids=torch.arange(5)[None])

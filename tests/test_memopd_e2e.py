@@ -13,6 +13,7 @@ KL > 0; per call: tests/test_teacher_state.py).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,10 @@ def test_memopd_trains_checkpoints_and_resumes(tmp_path):
     assert "val-core/memopd_memory/tiny/reward/mean@1" in audited
     ckpt = tmp_path / "qs" / "checkpoints"
     assert (ckpt / "global_step_2").is_dir(), sorted(p.name for p in ckpt.iterdir())
+    # the saved actor's HF config names stock attention (transformers leaves its default, sdpa, unwritten), not
+    # the packed memopd_torch the actor trains with: plain transformers can load and run it
+    hf_config = json.loads((ckpt / "global_step_2" / "actor" / "huggingface" / "config.json").read_text())
+    assert hf_config.get("attn_implementation", "sdpa") == "sdpa", hf_config["attn_implementation"]
     print(f"memopd e2e: wall {run.wall_s:.0f}s; step 2: " + ", ".join(
         f"{k}={audited[k]:.4g}" for k in ("timing_s/gen", "timing_s/teacher", "timing_s/old_log_prob", "timing_s/ref",
                                           "timing_s/values", "timing_s/update_critic", "timing_s/update_actor",

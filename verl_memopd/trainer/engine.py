@@ -26,12 +26,15 @@ sequence parallelism is refused (its slicing does not know the segments).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
-from verl_memopd.attention import PackedAttentionError, require_packed_attention
+from verl_memopd.attention import PackedAttentionError, attention_implementation, require_packed_attention
 from verl_memopd.losses.actor import TEACHER_MASK, assign_global_teacher_counts
 from verl_memopd.platform.patches import patch_verl_valuehead_attention
 from verl_memopd.segments import SegmentMeta, padded_batch_segments, segment_meta
@@ -51,7 +54,22 @@ STUDENT_LOGITS = "memopd_logits"
 PACKED_INDEX = "memopd_packed_index"  # output_args keys of the per_call execution (calls.py)
 PADDED_MASK = "memopd_padded_mask"
 _DEVICES = ["cuda", "npu", "cpu"]
+EXPORT_ATTENTION = "sdpa"  # what a saved actor's Hugging Face config names (any device, transformers' default)
 _BACKENDS = ["fsdp", "fsdp2"]
+
+
+@contextmanager
+def _exported_attention(hf_model: torch.nn.Module) -> Iterator[None]:
+    """While saving: ``hf_model`` runs :data:`EXPORT_ATTENTION` and its config loses the ``attn_implementation``
+    attribute verl's ``override_config`` set on it (transformers writes that attribute to config.json)."""
+    config = hf_model.config
+    override = config.__dict__.pop("attn_implementation", None)
+    try:
+        with attention_implementation(hf_model, EXPORT_ATTENTION):
+            yield
+    finally:
+        if override is not None:
+            config.attn_implementation = override
 
 
 def _rows(micro_batch) -> tuple[tuple[torch.Tensor, ...], ...]:
@@ -203,6 +221,14 @@ class MemopdLMEngine(_PackedRows, FSDPEngineWithLMHead):
         if tu.get_non_tensor_data(data=micro_batch, key=RCE_FLAG, default=False):
             model_output.update(self._rce_spot_check(output.logits, micro_batch, use_rmpad))
         return model_output
+
+    def save_checkpoint(self, *args, **kwargs):
+        """verl's checkpoint, with the Hugging Face config it writes (``huggingface/config.json``, and the
+        ``hf_model`` export) naming ``sdpa``: the packed ``memopd_*`` attention the model trains with needs
+        segment metadata only these engines supply, so a saved actor loaded with plain transformers would
+        refuse to run. The model itself goes back to its packed attention afterwards."""
+        with _exported_attention(getattr(self.module, "_fsdp_wrapped_module", self.module)):
+            return super().save_checkpoint(*args, **kwargs)
 
     def _rce_spot_check(self, logits, micro_batch, use_rmpad: bool) -> dict:
         """Audit (``verl_memopd.trainer.audit``): every call of the micro-batch run alone under the model's
