@@ -238,6 +238,14 @@ def test_summary_cli_prints_the_line(tmp_path):
     assert out.strip().splitlines()[-1].startswith("experiment seeds=3 steps=10 teacher_f1=0.8200")
 
 
+def test_plot_reference_is_the_latest_tested_checkpoint():
+    from verl_memopd.experiment.plot import _reference
+
+    rows = [{"arm": "teacher", "step": step, "split": split, "f1": f1} for step, split, f1 in
+            ((2000, "val", 0.63), (2000, "test", 0.62), (4000, "val", 0.72), (4000, "test", 0.71), (1250, "val", 0.66))]
+    assert _reference(rows, "teacher") == 0.72 and _reference(rows, "student") is None
+
+
 def test_plot_writes_a_png(tmp_path):
     from verl_memopd.experiment.plot import band, plot_metrics
 

@@ -30,11 +30,11 @@ def band(rows: list[dict], arm: str, split: str, key: str) -> tuple[list[int], l
 
 
 def _reference(rows: list[dict], role: str) -> float | None:
-    """Val F1 of the SFT checkpoint the experiment uses: the one that also has a test row (the teacher's
-    final checkpoint, the chosen student)."""
+    """Val F1 of the SFT checkpoint the experiment uses: the latest one that also has a test row (the teacher's
+    final checkpoint, the chosen student; as the summary's test F1)."""
     tested = {r["step"] for r in rows if r["arm"] == role and r["split"] == "test"}
-    vals = [r["f1"] for r in rows if r["arm"] == role and r["split"] == "val" and r["step"] in tested]
-    return vals[0] if vals else None
+    vals = {r["step"]: r["f1"] for r in rows if r["arm"] == role and r["split"] == "val" and r["step"] in tested}
+    return vals[max(vals)] if vals else None
 
 
 def _empty(ax, what: str) -> None:
