@@ -68,7 +68,8 @@ def greedy_replier(model_dir: Path, max_new_tokens: int) -> Replier:
 
 
 def call_accuracy(model_dir: Path, traces: Path, out_json: Path, max_new_tokens: int) -> list[CallScore]:
-    """Per-call exact match of ``model_dir`` on the oracle's ``traces`` (or read back from ``out_json``)."""
+    """Per-call scores (:func:`score_calls`) of ``model_dir`` on the oracle's ``traces``, written to ``out_json``
+    (or read back from it when it exists)."""
     if out_json.is_file():
         return json.loads(out_json.read_text())["calls"]
     import pandas as pd

@@ -140,6 +140,10 @@ def stage_diagnose(cfg: ExperimentConfig, paths: Paths) -> None:
     student, teacher = start_models(cfg, paths)
     models = [("teacher", teacher), ("student", student)]
     models += [(name, Path(json.loads(done.read_text())["final_actor"])) for name, done in _diagnosed_arms(cfg, paths)]
+    from verl_memopd.agent.loop import MemoryAgentConfig
+    from verl_memopd.experiment.calls import call_accuracy
+
+    budget = MemoryAgentConfig().memory_tokens  # the agent's budget of a memory call (the larger one)
     paths.diagnose.mkdir(parents=True, exist_ok=True)
     for name, model in models:
         out = paths.diagnose / f"{name}_val.json"
@@ -147,11 +151,8 @@ def stage_diagnose(cfg: ExperimentConfig, paths: Paths) -> None:
         if "memory_recall" not in r:
             raise RuntimeError(f"{out}: no memory diagnostics; the agent loop that ran predates them "
                                "(delete the file to rerun)")
-    from verl_memopd.agent.loop import MemoryAgentConfig
-    from verl_memopd.experiment.calls import call_accuracy
-
-    budget = MemoryAgentConfig().memory_tokens  # the agent's budget of a memory call (the larger one)
-    for name, model in models:
-        print(f"[experiment {time.strftime('%H:%M:%S')}] diagnose {name}: per-call accuracy from the oracle's "
-              f"state ({paths.sft_data / 'val.parquet'}, ETA ~{cfg.n_val // 2} s)", flush=True)
-        call_accuracy(model, paths.sft_data / "val.parquet", paths.diagnose / f"{name}_calls.json", budget)
+        calls = paths.diagnose / f"{name}_calls.json"
+        if not calls.is_file():
+            print(f"[experiment {time.strftime('%H:%M:%S')}] diagnose {name}: per-call accuracy from the oracle's "
+                  f"state ({paths.sft_data / 'val.parquet'}, ETA ~{cfg.n_val // 2} s)", flush=True)
+        call_accuracy(model, paths.sft_data / "val.parquet", calls, budget)

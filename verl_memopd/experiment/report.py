@@ -29,13 +29,14 @@ from verl_memopd.experiment.config import ARMS, ExperimentConfig, Paths
 from verl_memopd.experiment.launch import read_log, val_scores
 from verl_memopd.launching import parse_steps
 
-__all__ = ["COLUMNS", "DIAGNOSTIC_COLUMNS", "collect_rows", "collect_sweep_rows", "write_metrics", "read_metrics",
-           "summary_lines", "sensitivity_lines", "diagnostic_lines", "stage_report"]
+__all__ = ["COLUMNS", "DIAGNOSTIC_COLUMNS", "CALL_COLUMNS", "collect_rows", "collect_sweep_rows", "write_metrics",
+           "read_metrics", "summary_lines", "sensitivity_lines", "diagnostic_lines", "call_accuracy_lines",
+           "stage_report"]
 
 COLUMNS = ("arm", "seed", "step", "split", "f1", "em", "reverse_kl", "teacher_aligned_vs_flat_kl", "wall_s")
 Row = dict
 DIAGNOSTIC_COLUMNS = ("model", "split", "f1", "em", "memory_recall", "memory_truncated")
-#: call_accuracy.csv: exact-match replies per call index given the oracle's state (val traces; calls.py)
+#: call_accuracy.csv: per call index given the oracle's state (val traces; calls.py), exact replies and oracle lines kept
 CALL_COLUMNS = ("model", "call", "exact", "n", "accuracy", "lines", "lines_n", "line_recall")
 
 
