@@ -146,7 +146,7 @@ class LoopbackCluster:
             env.pop(key, None)
         env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
         self.env = env
-        gcs_port, dash, client, *self.agent_ports = free_ports(3 + 3 * 4)  # head, second, second restarted
+        gcs_port, dash, client = free_ports(3)
         self.gcs, self.dashboard = f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dash}"
         self.head_args = ["--head", f"--port={gcs_port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
                           f"--ray-client-server-port={client}", "--include-dashboard=true"]
@@ -154,9 +154,11 @@ class LoopbackCluster:
         self.jobs: list[str] = []
         self.followers: list[subprocess.Popen] = []
 
-    def _node_args(self, i: int) -> list[str]:
-        slot = len(self.nodes)  # a restarted second node gets fresh ports and a fresh temp dir
-        listen, grpc, runtime_env, metrics = self.agent_ports[4 * slot:4 * slot + 4]
+    @staticmethod
+    def _node_args(i: int) -> list[str]:
+        # free now, not when the cluster was made: a node restarted minutes later would find ports taken meanwhile
+        # by the jobs' workers (its dashboard agent then fails to bind and the raylet exits with it)
+        listen, grpc, runtime_env, metrics = free_ports(4)
         return ["--node-ip-address=127.0.0.1", f"--num-cpus={NODE_CPUS}", "--num-gpus=1",
                 f"--resources={json.dumps({f'memopd_node_{i}': 1})}", f"--dashboard-agent-listen-port={listen}",
                 f"--dashboard-agent-grpc-port={grpc}", f"--runtime-env-agent-port={runtime_env}",
@@ -176,9 +178,14 @@ class LoopbackCluster:
         self.nodes.append(node)
         return node
 
-    def wait_nodes(self, n: int, timeout_s: float = 120) -> list[dict]:
-        """The ALIVE nodes (``ray list nodes --detail``) once there are ``n``."""
+    def wait_nodes(self, n: int, exclude: frozenset[str] = frozenset(), timeout_s: float = 120) -> list[dict]:
+        """The ALIVE nodes (``ray list nodes --detail``) once they are ``n``, one per marker ``memopd_node_<i>``
+        (i < n), none of them in ``exclude`` (a killed node stays ALIVE until the head's health check notices).
+
+        Raises at once when the newest node's ``ray start`` has exited, and after ``timeout_s`` otherwise,
+        with the tail of that node's log either way."""
         deadline = time.monotonic() + timeout_s
+        wanted = {f"memopd_node_{i}" for i in range(n)}
         while True:
             done = subprocess.run([*RAY, "list", "nodes", "--address", self.dashboard, "--format", "json", "--detail"],
                                   env=self.env, capture_output=True, text=True)
@@ -186,10 +193,16 @@ class LoopbackCluster:
                 nodes = [x for x in json.loads(done.stdout) if x.get("state") == "ALIVE"] if done.returncode == 0 else []
             except json.JSONDecodeError:
                 nodes = []
-            if len(nodes) == n:
+            nodes = [x for x in nodes if x["node_id"] not in exclude]
+            if len(nodes) == n and set(self.markers(nodes).values()) == wanted:
                 return nodes
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(nodes)} of {n} Ray nodes alive after {timeout_s}s: {done.stderr[-2000:]}")
+            newest = self.nodes[-1]
+            exited = newest.proc.poll()
+            if exited is not None or time.monotonic() > deadline:
+                why = f"`ray start` of {newest.name} exited {exited}" if exited is not None else f"after {timeout_s}s"
+                raise TimeoutError(f"{len(nodes)} of {n} Ray nodes alive ({why}): {self.markers(nodes)} "
+                                   f"{done.stderr[-1000:]}\n{newest.name}'s log ({newest.log}):\n"
+                                   f"{tail(newest.log.read_text(errors='replace'), 40)}")
             time.sleep(3)
 
     @staticmethod
