@@ -9,13 +9,13 @@
 # Hardware: no GPU; 2 CPU cores, ~12 GB RAM free for the heavy (Ray + vLLM) stages. Offline.
 # Stages (each skipped when its output exists; a run that dies resumes where it was, SFT and RL from
 # their newest checkpoint): tiny tokenizer + student (2L/128) + teacher (4L/256); 16k fresh episodes of
-# the `tiny` preset and the oracle's calls as SFT rows; student SFT (300 steps) and teacher SFT (4000
+# the `tiny` preset and the oracle's calls as SFT rows; student SFT (300 steps) and teacher SFT (6000
 # steps) with verl's SFT trainer; val F1 of SFT checkpoints with verl's validation (trainer.val_only,
 # greedy, the memopd_memory_agent loop); the three matched arms (memopd / flat / ppo) x 3 seeds;
 # a val-only sensitivity sweep; memory and per-call diagnostics of the final models;
 # results/<name>/metrics.csv, f1.png and the summary (python -m verl_memopd.experiment summary CSV).
 # MEMOPD_HEAVY_LOCK=/path/to/lockfile serialises the heavy runs with other jobs (flock).
-# Expect (2 idle cores): student SFT ~5 min, teacher SFT ~2 h (1.7 s/step), each eval 2-4 min, each arm
+# Expect (2 idle cores): student SFT ~5 min, teacher SFT ~2.5-2.8 h (1.5-1.7 s/step), each eval 2-4 min, each arm
 # ~5 min + a test eval, the sweep ~50 min, diagnose ~15 min; progress and ETAs on stdout, per-stage logs
 # under runs/<name>/.
 set -euo pipefail
