@@ -16,8 +16,8 @@
 # results/<name>/metrics.csv, f1.png and the summary (python -m verl_memopd.experiment summary CSV).
 # MEMOPD_HEAVY_LOCK=/path/to/lockfile serialises the heavy runs with other jobs (flock).
 # Expect (2 idle cores): student SFT ~5 min, teacher SFT ~2.5-2.8 h (1.5-1.7 s/step), each eval 2-4 min, each arm
-# ~5 min + a test eval, the sweep ~50 min, diagnose ~15 min; progress and ETAs on stdout, per-stage logs
-# under runs/<name>/.
+# ~4 min + a 1.5 min test eval, the sweep ~40 min, diagnose ~8 min (from scratch without the sweep ~3.8 h);
+# progress and ETAs on stdout, per-stage logs under runs/<name>/.
 set -euo pipefail
 export VERL_PLATFORM=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled VLLM_CPU_KVCACHE_SPACE=1
 exec python -m verl_memopd.experiment run "$@"
