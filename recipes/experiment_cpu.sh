@@ -4,7 +4,8 @@
 #   bash recipes/experiment_cpu.sh                       full run (runs/cpu_tiny, results/cpu_tiny)
 #   EXPERIMENT_SMOKE=1 bash recipes/experiment_cpu.sh    minutes: a few SFT steps, one RL step per arm, one seed
 #   bash recipes/experiment_cpu.sh --until eval          stop after a stage (models data sft_student sft_teacher
-#                                                        eval arms sweep diagnose report); --only STAGE runs just that one
+#                                                        eval arms diagnose report); --only STAGE runs just that one
+#   bash recipes/experiment_cpu.sh --until sweep         the experiment, then the follow-up val-only sensitivity sweep
 #
 # Hardware: no GPU; 2 CPU cores, ~12 GB RAM free for the heavy (Ray + vLLM) stages. Offline.
 # Stages (each skipped when its output exists; a run that dies resumes where it was, SFT and RL from

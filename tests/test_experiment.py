@@ -65,6 +65,28 @@ def test_configs_are_consistent():
         replace(full_config(), student_eval_steps=(75,))
 
 
+def test_student_choice_evaluates_latest_first_and_stops_in_the_band(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from verl_memopd.experiment import evaluate
+
+    f1 = {100: 0.1, 200: 0.3, 300: 0.6}
+    asked = []
+
+    def fake_eval(cfg, paths, role, step, split):
+        asked.append((role, step, split))
+        return {"f1": f1[step]}
+
+    monkeypatch.setattr(evaluate, "eval_sft_checkpoint", fake_eval)
+    cfg, paths = full_config(), Paths(tmp_path / "run", tmp_path / "res")
+    assert evaluate.chosen_student(cfg, paths) == 200  # 300 is above the band (0.05, 0.5)
+    assert asked == [("student", 300, "val"), ("student", 200, "val")]  # 100 could not be chosen: not evaluated
+    f1[200] = f1[100] = 0.01
+    with pytest.raises(RuntimeError, match=r"no checkpoint with val F1 in \[0.05, 0.5\]: \{300: 0.6, 200: 0.01, 100"):
+        evaluate.chosen_student(cfg, paths)
+    assert evaluate.chosen_student(replace(cfg, student_f1_band=None), paths) == cfg.student_sft.steps
+
+
 def test_sweep_runs_change_one_setting_of_the_matched_arm(tmp_path):
     from verl_memopd.experiment.arms import arm_command
 

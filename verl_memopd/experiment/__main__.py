@@ -1,7 +1,8 @@
 """CLI of the experiment.
 
     python -m verl_memopd.experiment run [--root runs/cpu_tiny] [--results results/cpu_tiny] [--until STAGE|--only STAGE] [--arms a,b]
-        runs the stages in order, skipping finished ones (EXPERIMENT_SMOKE=1: the minutes-long smoke sizes);
+        runs the stages in order up to the report, skipping finished ones (EXPERIMENT_SMOKE=1: the minutes-long
+        smoke sizes); ``--until sweep`` adds the val-only sensitivity sweep after it;
         a stage runs under a lock file, so a second process started with --only waits instead of clashing
     python -m verl_memopd.experiment eval --role teacher|student --step N [--split val|test]
         val F1 of one SFT checkpoint with verl's validation (also done by the eval stage)
@@ -19,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from verl_memopd.experiment.config import Paths, full_config, smoke_config
-from verl_memopd.experiment.pipeline import STAGES, run_pipeline
+from verl_memopd.experiment.pipeline import EXPERIMENT_END, STAGES, run_pipeline
 
 
 def _config():
@@ -35,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m verl_memopd.experiment", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run the stages (skips finished ones)")
-    r.add_argument("--until", default=STAGES[-1], choices=STAGES)
+    r.add_argument("--until", default=EXPERIMENT_END, choices=STAGES,
+                   help=f"last stage (default {EXPERIMENT_END}; 'sweep' adds the val-only sensitivity runs)")
     r.add_argument("--only", default=None, choices=STAGES, help="run just this stage (its inputs must exist)")
     r.add_argument("--arms", default=None, help="comma-separated subset of the arms (default: all of them)")
     e = sub.add_parser("eval", help="F1 of one SFT checkpoint under the real agent loop")

@@ -115,7 +115,8 @@ def stage_arms(cfg: ExperimentConfig, paths: Paths) -> None:
 
 
 def stage_sweep(cfg: ExperimentConfig, paths: Paths) -> None:
-    """The sensitivity runs (:class:`config.SweepConfig`): val F1 every ``val_every`` steps, no test eval."""
+    """The sensitivity runs (:class:`config.SweepConfig`): val F1 every ``val_every`` steps, no test eval; then
+    the report again, which writes their ``sensitivity.csv``."""
     if cfg.sweep is None:
         return print("[experiment] sweep: none configured", flush=True)
     runs = cfg.sweep.runs()
@@ -130,3 +131,6 @@ def stage_sweep(cfg: ExperimentConfig, paths: Paths) -> None:
         final = _train(cfg, paths, run_dir, f"sweep {variant.name} {arm} seed {seed}",
                        arm_command(cfg, paths, arm, seed, student, teacher, variant))
         (run_dir / "DONE.json").write_text(json.dumps(_done(run_dir, final)) + "\n")
+    from verl_memopd.experiment.report import stage_report
+
+    stage_report(cfg, paths)  # sensitivity.csv; the sweep runs after the default run's report

@@ -6,8 +6,9 @@ One eval = ``main_ppo ... trainer.val_only=true`` on the checkpoint as the actor
 ``MEMOPD_HEAVY_LOCK`` serialises it with other heavy jobs on the machine.
 
 The eval stage measures the SFT checkpoints the experiment needs: the student at
-``student_eval_steps`` (val) to choose the RL start, the teacher's final checkpoint (val), and
-both chosen models on the test split. Results: ``eval/<role>_step<N>_<split>.json``.
+``student_eval_steps`` (val; latest first, until one is in the band) to choose the RL start, the
+teacher's final checkpoint (val), and both chosen models on the test split. Results:
+``eval/<role>_step<N>_<split>.json``.
 
 The diagnose stage evaluates, on val, the models whose difference the table reports (the final teacher,
 the RL start, each arm's final actor at the first seed) with the agent's memory diagnostics: how many
@@ -82,20 +83,22 @@ def eval_sft_checkpoint(cfg: ExperimentConfig, paths: Paths, role: str, step: in
 
 
 def chosen_student(cfg: ExperimentConfig, paths: Paths) -> int:
-    """The SFT step the RL arms start from: the latest evaluated step whose val F1 is in the band.
+    """The SFT step the RL arms start from: the latest of ``cfg.student_eval_steps`` whose val F1 is in the band.
 
-    Chosen on val only. Raises with every measured F1 if none is in ``cfg.student_f1_band``; without a band
+    Chosen on val only, latest step first: the evals stop at the first step in the band (an earlier one could
+    not be chosen). Raises with every measured F1 if none is in ``cfg.student_f1_band``; without a band
     (smoke) the final SFT step, not evaluated.
     """
     if cfg.student_f1_band is None:
         return cfg.student_sft.steps
-    measured = {s: eval_sft_checkpoint(cfg, paths, "student", s, "val")["f1"] for s in cfg.student_eval_steps}
     lo, hi = cfg.student_f1_band
-    inside = [s for s, f1 in measured.items() if lo <= f1 <= hi]
-    if not inside:
-        raise RuntimeError(f"student SFT: no checkpoint with val F1 in [{lo}, {hi}]: {measured}; change "
-                           "student_sft / student_eval_steps in verl_memopd/experiment/config.py")
-    return max(inside)
+    measured = {}
+    for step in sorted(cfg.student_eval_steps, reverse=True):
+        measured[step] = eval_sft_checkpoint(cfg, paths, "student", step, "val")["f1"]
+        if lo <= measured[step] <= hi:
+            return step
+    raise RuntimeError(f"student SFT: no checkpoint with val F1 in [{lo}, {hi}]: {measured}; change "
+                       "student_sft / student_eval_steps in verl_memopd/experiment/config.py")
 
 
 def stage_eval(cfg: ExperimentConfig, paths: Paths) -> None:

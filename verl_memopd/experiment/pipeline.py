@@ -8,13 +8,15 @@
                   of the chosen ones; picks the student checkpoint
     arms          memopd / flat / ppo x seeds of RL from the student, val F1 every K     arms/<arm>_seed<s>/DONE.json
                   steps, test F1 at the end
-    sweep         sensitivity on val only: arms rerun at seed 0 with one setting          sweep/<variant>_<arm>_seed<s>/DONE.json
-                  changed (lr, lambda); no test eval
     diagnose      val evals of teacher, start and the arms' final actors (first seed)    diagnose/<model>_val.json
                   with the agent's memory diagnostics (answers kept in memory, truncation), and
                   their per-call accuracy from the oracle's state                        diagnose/<model>_calls.json
-    report        results/<name>/metrics.csv (from every stage's outputs), f1.png and     always rerun
-                  sensitivity.csv (the sweep's val F1), diagnostics.csv, call_accuracy.csv
+    report        results/<name>/metrics.csv (from every stage's outputs), f1.png,       always rerun
+                  diagnostics.csv, call_accuracy.csv (and sensitivity.csv once a sweep ran)
+    sweep         a follow-up, not in the default run (``--until sweep`` / ``--only      sweep/<variant>_<arm>_seed<s>/DONE.json
+                  sweep``; ~40 min): sensitivity on val only, the arms rerun at seed 0
+                  with one setting changed (lr, lambda, teacher mask), no test eval;
+                  ends with the report (sensitivity.csv)
 
 The student's SFT runs before the teacher's: it is short, and its checkpoints can be evaluated
 while the teacher trains. verl runs its checkpoints itself (``trainer.resume_mode=auto``), so a
@@ -32,9 +34,11 @@ from verl_memopd.experiment.config import ExperimentConfig, Paths
 from verl_memopd.experiment.runner import run_checked
 from verl_memopd.launching import cpu_env
 
-__all__ = ["STAGES", "run_pipeline"]
+__all__ = ["STAGES", "EXPERIMENT_END", "run_pipeline"]
 
-STAGES = ("models", "data", "sft_student", "sft_teacher", "eval", "arms", "sweep", "diagnose", "report")
+STAGES = ("models", "data", "sft_student", "sft_teacher", "eval", "arms", "diagnose", "report", "sweep")
+#: the last stage of a default run: the experiment itself; the sweep after it is asked for by name
+EXPERIMENT_END = "report"
 
 
 def _say(msg: str) -> None:
@@ -102,7 +106,7 @@ def _stage_lock(paths: Paths, name: str):
         yield
 
 
-def run_pipeline(cfg: ExperimentConfig, paths: Paths, until: str = STAGES[-1], only: str | None = None) -> None:
+def run_pipeline(cfg: ExperimentConfig, paths: Paths, until: str = EXPERIMENT_END, only: str | None = None) -> None:
     """Run every stage up to and including ``until`` (or just ``only``), skipping finished ones."""
     for stage in (until, only):
         if stage is not None and stage not in STAGES:
