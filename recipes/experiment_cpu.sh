@@ -10,15 +10,15 @@
 # Hardware: no GPU; 2 CPU cores, ~12 GB RAM free for the heavy (Ray + vLLM) stages. Offline.
 # Stages (each skipped when its output exists; a run that dies resumes where it was, SFT and RL from
 # their newest checkpoint): tiny tokenizer + student (2L/128) + teacher (4L/256); 16k fresh episodes of
-# the `tiny` preset and the oracle's calls as SFT rows; student SFT (300 steps) and teacher SFT (4500
-# steps, one cosine) with verl's SFT trainer; val F1 of SFT checkpoints with verl's validation (trainer.val_only,
+# the `tiny` preset and the oracle's calls as SFT rows; student SFT (300 steps) and teacher SFT (6000
+# steps) with verl's SFT trainer; val F1 of SFT checkpoints with verl's validation (trainer.val_only,
 # greedy, the memopd_memory_agent loop); the three matched arms (memopd / flat / ppo) x 3 seeds;
 # memory and per-call diagnostics of the final models; results/<name>/metrics.csv, f1.png and the summary
 # (python -m verl_memopd.experiment summary CSV). --until sweep adds the val-only sensitivity sweep.
 # MEMOPD_HEAVY_LOCK=/path/to/lockfile serialises the heavy runs with other jobs (flock).
-# Expect (2 idle cores): models + data ~3.5 min, student SFT ~4 min, teacher SFT 1.3-1.6 s/step (4500 steps:
-# 1.6-2 h; the same machine ran it at both rates), each eval 1.5-2 min (4 in a fresh run), each arm ~4 min +
-# a 1.5 min test eval (47 min for 9), diagnose ~8 min: ~2.7-3.2 h from scratch; the sweep ~40 min more;
+# Expect (2 idle cores): models + data ~3.5 min, student SFT ~4 min, teacher SFT 1.3-1.8 s/step (6000 steps:
+# 2.2-3 h; the same machine ran it at both rates), each eval 1.5-2 min (4 in a fresh run), each arm ~4 min +
+# a 1.5 min test eval (47 min for 9), diagnose ~8 min: ~3.3-4.2 h from scratch; the sweep ~40 min more;
 # progress and ETAs on stdout, per-stage logs under runs/<name>/.
 set -euo pipefail
 export VERL_PLATFORM=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled VLLM_CPU_KVCACHE_SPACE=1
