@@ -145,9 +145,9 @@ def full_config() -> ExperimentConfig:
     return ExperimentConfig(
         name="cpu_tiny", data_seed=0, n_train=16384, n_val=64, n_test=64,
         # 6000 steps at lr 1e-3: run 3's teacher (2000 steps extended twice, warm restarts; val F1 0.633 / 0.723 /
-        # 0.832 at 2000 / 4000 / 6000, archived in runs/cpu_tiny/archive/teacher_lr1e-3_step6000); a fresh run decays
-        # in one cosine. Shorter, to fit the 3 h budget, missed the target: one 4500-step cosine reached val F1 0.707
-        # (val loss 0.056; run 4, session 8), peak lr 3e-3 learned slower (val loss 0.56 vs 0.37 at step 250)
+        # 0.832 at 2000 / 4000 / 6000); a fresh run decays in one cosine. Shorter, to fit the 3 h budget, missed the
+        # target: one 4500-step cosine reached val F1 0.707 (val loss 0.056; run 4, runs/cpu_tiny/archive/
+        # teacher_onecosine_step4500), peak lr 3e-3 learned slower (val loss 0.56 vs 0.37 at step 250)
         teacher_sft=SftConfig(steps=6000, batch=32, lr=1e-3, save_every=250, warmup_steps=40),
         student_sft=SftConfig(steps=300, batch=32, lr=1e-3, save_every=50), student_eval_steps=(100, 200, 300),
         # RL lr = the student SFT's final lr (cosine floor 0.1 x 1e-3): the arms continue at the rate the
