@@ -16,9 +16,9 @@
 # memory and per-call diagnostics of the final models; results/<name>/metrics.csv, f1.png and the summary
 # (python -m verl_memopd.experiment summary CSV). --until sweep adds the val-only sensitivity sweep.
 # MEMOPD_HEAVY_LOCK=/path/to/lockfile serialises the heavy runs with other jobs (flock).
-# Expect (2 idle cores): models + data ~3.5 min, student SFT ~4 min, teacher SFT 1.3-1.8 s/step (6000 steps:
-# 2.2-3 h; the same machine ran it at both rates), each eval 1.5-2 min (4 in a fresh run), each arm ~4 min +
-# a 1.5 min test eval (47 min for 9), diagnose ~8 min: ~3.3-4.2 h from scratch; the sweep ~40 min more;
+# Expect (2 idle cores): models + data ~3.5 min, student SFT ~4 min, teacher SFT 1.25-1.76 s/step (6000 steps:
+# 2.1-2.9 h; the same machine ran it at both rates), each eval 1.5-2 min (4 in a fresh run), each arm ~4 min +
+# a 1.5 min test eval (47 min for 9), diagnose ~8 min: ~3.2-4.1 h from scratch; the sweep ~40 min more;
 # progress and ETAs on stdout, per-stage logs under runs/<name>/.
 set -euo pipefail
 export VERL_PLATFORM=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled VLLM_CPU_KVCACHE_SPACE=1
