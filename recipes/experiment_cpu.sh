@@ -10,15 +10,16 @@
 # Hardware: no GPU; 2 CPU cores, ~12 GB RAM free for the heavy (Ray + vLLM) stages. Offline.
 # Stages (each skipped when its output exists; a run that dies resumes where it was, SFT and RL from
 # their newest checkpoint): tiny tokenizer + student (2L/128) + teacher (4L/256); 16k fresh episodes of
-# the `tiny` preset and the oracle's calls as SFT rows; student SFT (300 steps) and teacher SFT (6000
+# the `tiny` preset and the oracle's calls as SFT rows; student SFT (300 steps) and teacher SFT (4000
 # steps) with verl's SFT trainer; val F1 of SFT checkpoints with verl's validation (trainer.val_only,
 # greedy, the memopd_memory_agent loop); the three matched arms (memopd / flat / ppo) x 3 seeds;
 # memory and per-call diagnostics of the final models; results/<name>/metrics.csv, f1.png and the summary
 # (python -m verl_memopd.experiment summary CSV). --until sweep adds the val-only sensitivity sweep.
 # MEMOPD_HEAVY_LOCK=/path/to/lockfile serialises the heavy runs with other jobs (flock).
-# Expect (2 idle cores): models + data ~3.5 min, student SFT ~4 min, teacher SFT 1.25-1.76 s/step (6000 steps:
-# 2.1-2.9 h; the same machine ran it at both rates), each eval 1.5-2 min (4 in a fresh run), each arm ~4 min +
-# a 1.5 min test eval (47 min for 9), diagnose ~8 min: ~3.2-4.1 h from scratch; the sweep ~40 min more;
+# Expect (2 idle cores; run 5, measured): models + data ~25 s, student SFT ~3 min, teacher SFT 1.25-1.76 s/step
+# (4000 steps: 93 min at 1.40 s/step in run 5; this machine has also run it at 1.76), 4 evals ~2 min each, each
+# arm ~4 min + a 1.5 min test eval (47 min for 9), diagnose ~8 min: ~2.7 h from scratch (~3.1 h at 1.76 s/step);
+# the sweep ~40 min more;
 # progress and ETAs on stdout, per-stage logs under runs/<name>/.
 set -euo pipefail
 export VERL_PLATFORM=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled VLLM_CPU_KVCACHE_SPACE=1
