@@ -245,6 +245,20 @@ def test_a_finished_sft_run_is_extended_not_redone(tmp_path, monkeypatch):
         sft.run_sft(tmp_path / "model", tmp_path / "data", run_dir, first, "t", {})
 
 
+def test_a_longer_finished_sft_run_is_not_taken_for_a_shorter_config(tmp_path):
+    import json
+
+    from verl_memopd.experiment.pipeline import _stage_sft
+
+    cfg, paths = full_config(), Paths(tmp_path / "runs", tmp_path / "results")
+    paths.sft("teacher").mkdir(parents=True)
+    longer = cfg.teacher_sft.steps + cfg.teacher_sft.save_every
+    (paths.sft("teacher") / "DONE.json").write_text(json.dumps({"steps": longer, "hf": "x", "wall_s": 1.0}))
+    with pytest.raises(ValueError, match=f"sft_teacher: .* finished {longer} steps, more than the "
+                                         f"{cfg.teacher_sft.steps} asked for"):
+        _stage_sft("teacher", cfg, paths)
+
+
 def test_summary_of_a_partial_run_says_na(tmp_path):
     path = tmp_path / "metrics.csv"
     write_metrics([r for r in _rows() if r["arm"] in ("teacher", "student")], path)

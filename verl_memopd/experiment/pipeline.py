@@ -65,12 +65,12 @@ def stage_data(cfg: ExperimentConfig, paths: Paths) -> None:
 
 
 def _stage_sft(role: str, cfg: ExperimentConfig, paths: Paths) -> None:
-    from verl_memopd.experiment.sft import finished_sft, run_sft
+    from verl_memopd.experiment.sft import continuable_sft, run_sft
 
     run_dir = paths.sft(role)
     sft = cfg.teacher_sft if role == "teacher" else cfg.student_sft
-    done = finished_sft(run_dir)
-    if done is not None and done["steps"] >= sft.steps:
+    done = continuable_sft(run_dir, sft, f"sft_{role}")
+    if done is not None and done["steps"] == sft.steps:
         return _say(f"sft_{role}: done ({done['hf']})")
     start = 0 if done is None else done["steps"]
     per_step_s = 1.5 if role == "teacher" else 1.2  # alone on 2 cores (measured); x2-3 when shared

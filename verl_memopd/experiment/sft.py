@@ -24,7 +24,7 @@ from verl_memopd.experiment.runner import run_logged
 from verl_memopd.launching import parse_steps
 
 __all__ = ["build_sft_data", "sft_command", "run_sft", "fp32_export", "hf_export", "saved_steps", "sft_losses",
-           "finished_sft"]
+           "finished_sft", "continuable_sft"]
 
 #: the overrides that make verl's SFT trainer run (and run fast) on CPU; see shared CPU_NOTES.md
 CPU_SFT_OVERRIDES = (
@@ -115,10 +115,7 @@ def run_sft(model: Path, sft_data: Path, run_dir: Path, cfg: SftConfig, name: st
     (0.8-30 s/step measured here); it checkpoints every ``save_every`` steps, so stopping it loses little.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    earlier = finished_sft(run_dir)
-    if earlier is not None and earlier["steps"] > cfg.steps:
-        raise ValueError(f"{name}: {run_dir} finished {earlier['steps']} steps, more than the {cfg.steps} asked "
-                         "for; a shorter run is a new run folder")
+    earlier = continuable_sft(run_dir, cfg, name)
     wall = run_logged(sft_command(model, sft_data, run_dir, cfg, name), run_dir / "sft.log", env, None)
     if cfg.steps not in saved_steps(run_dir):
         raise RuntimeError(f"{name}: verl's SFT trainer ended without a checkpoint at step {cfg.steps}; "
@@ -136,3 +133,14 @@ def finished_sft(run_dir: Path) -> dict | None:
     """The ``DONE.json`` record of a finished SFT run (steps, hf, wall_s, losses[, extends]), or None."""
     done = run_dir / "DONE.json"
     return json.loads(done.read_text()) if done.is_file() else None
+
+
+def continuable_sft(run_dir: Path, cfg: SftConfig, name: str) -> dict | None:
+    """:func:`finished_sft` of ``run_dir`` (None: not finished), checked against ``cfg``: the same steps is
+    done, fewer is extended; more raises, since its checkpoint at ``cfg.steps`` is the middle of a longer
+    schedule, not the run ``cfg`` describes."""
+    earlier = finished_sft(run_dir)
+    if earlier is not None and earlier["steps"] > cfg.steps:
+        raise ValueError(f"{name}: {run_dir} finished {earlier['steps']} steps, more than the {cfg.steps} asked "
+                         "for; a shorter run is a new run folder")
+    return earlier
