@@ -145,11 +145,11 @@ def full_config() -> ExperimentConfig:
     return ExperimentConfig(
         name="cpu_tiny", data_seed=0, n_train=16384, n_val=64, n_test=64,
         # 4000 steps, one cosine from peak lr 5e-4 to a floor of 1e-4 (run 5, to fit the 3 h budget: val loss 0.039,
-        # val F1 0.801, test 0.754, 93 min from scratch; runs/cpu_tiny_r5). Why a lower
-        # peak: at equal steps the run whose lr had been lower over the last ~1000 steps had the lower val loss
-        # (run 3: 2000-step cosines at 1e-3 with warm restarts at 5.5e-4 and 3.3e-4, val loss 0.055 / 0.039 and
-        # val F1 0.723 / 0.832 at 4000 / 6000; run 4: one 4500-step cosine at 1e-3, val loss 0.056, F1 0.707;
-        # peak 3e-3: val loss 0.56 vs 0.37 at step 250). Run 3 is runs/cpu_tiny/sft/teacher, run 4 under its archive/.
+        # val F1 0.801, test 0.754, SFT 93 min; runs/cpu_tiny_r5). Why a lower peak: at equal steps the run whose
+        # lr had been lower over the last ~1000 steps had the lower val loss (run 3: 2000-step cosines at 1e-3 with
+        # warm restarts at 5.5e-4 and 3.3e-4, val loss 0.055 / 0.039 and val F1 0.723 / 0.832 at 4000 / 6000;
+        # run 4: one 4500-step cosine at 1e-3, val loss 0.056, F1 0.707; peak 3e-3: val loss 0.56 vs 0.37 at
+        # step 250). Run 3 is runs/cpu_tiny/sft/teacher, run 4 under its archive/.
         teacher_sft=SftConfig(steps=4000, batch=32, lr=5e-4, save_every=250, warmup_steps=40, min_lr_ratio=0.2),
         student_sft=SftConfig(steps=300, batch=32, lr=1e-3, save_every=50), student_eval_steps=(100, 200, 300),
         # RL lr = the student SFT's final lr (cosine floor 0.1 x 1e-3): the arms continue at the rate the
