@@ -16,10 +16,10 @@
 # memory and per-call diagnostics of the final models; results/<name>/metrics.csv, f1.png and the summary
 # (python -m verl_memopd.experiment summary CSV). --until sweep adds the val-only sensitivity sweep.
 # MEMOPD_HEAVY_LOCK=/path/to/lockfile serialises the heavy runs with other jobs (flock).
-# Expect (2 idle cores; run 5, measured): models + data ~25 s, student SFT ~3 min, teacher SFT 1.25-1.76 s/step
-# (4000 steps: 93 min at 1.40 s/step in run 5; this machine has also run it at 1.76), 4 evals ~2 min each, each
-# arm 4-5 min + a 1.5 min test eval (47-56 min for 9), diagnose ~8 min: ~2.8 h from scratch (~3.2 h at 1.76
-# s/step); the sweep ~40 min more;
+# Expect (2 idle cores; runs 5 and 6, measured): models + data ~25 s, student SFT ~3 min, teacher SFT
+# 1.40-1.50 s/step (4000 steps: 93 / 100 min in runs 5 / 6; this machine kind has also run it at 1.76), 4 evals
+# ~2 min each, each arm 4-4.5 min + a ~1.7 min test eval (~51 min for 9), diagnose ~8 min: ~2.8 h from scratch
+# (run 6 summed its stages; ~3.2 h at 1.76 s/step); the sweep ~40 min more;
 # progress and ETAs on stdout, per-stage logs under runs/<name>/.
 set -euo pipefail
 export VERL_PLATFORM=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled VLLM_CPU_KVCACHE_SPACE=1
