@@ -18,7 +18,7 @@
 # MEMOPD_HEAVY_LOCK=/path/to/lockfile serialises the heavy runs with other jobs (flock).
 # Expect (2 idle cores; runs 5 and 6, measured): models + data ~25 s, student SFT ~3 min, teacher SFT
 # 1.40-1.50 s/step (4000 steps: 93 / 100 min in runs 5 / 6; this machine kind has also run it at 1.76), 4 evals
-# ~2 min each, each arm 4-4.5 min + a ~1.7 min test eval (~51 min for 9), diagnose ~8 min: ~2.8 h from scratch
+# ~2 min each, each arm 3.7-4.2 min + a ~1.7 min test eval (52 min for 9 in run 6), diagnose ~8 min: ~2.8 h from scratch
 # (run 6 summed its stages; ~3.2 h at 1.76 s/step); the sweep ~40 min more;
 # progress and ETAs on stdout, per-stage logs under runs/<name>/.
 set -euo pipefail
