@@ -91,7 +91,8 @@ def test_format_option_restricts_the_field_names(tokenizer):
         extract(plain, "memagent")
     assert extract(memagent, "auto") == extract(memagent, "memagent")
     assert extract(plain, "auto") == extract(plain, "jsonl")
-    with pytest.raises(KeyError, match="valid: \\['auto', 'jsonl', 'memagent'\\]"):
+    with pytest.raises(KeyError, match="valid: \\['auto', 'dataset_process', 'hotpotqa', 'jsonl', 'longbench_v2', "
+                                       "'memagent', 'ruler'\\]"):
         extract(plain, "csv")
 
 
@@ -160,7 +161,11 @@ BAD = [
     ("no_answers", {**GOOD, "answers": [" "]}, "empty answer alias"),
     ("no_answers", {**GOOD, "question": ["a?", "b?"], "answers": [["x"]]}, "question 2 has no answers"),
     ("extra_answers", {**GOOD, "question": ["a?"], "answers": ["x", "y"]}, "2 answer lists in answers for 1"),
-    ("too_many_chunks", {**GOOD, "context": "One. " * 40}, "yields [0-9]+ chunks of <= 8 tokens, more than --max"),
+    ("needs_corpus", {**GOOD, "context": [3, 1]}, r"list of 2 document indices .* pass --corpus FILE"),
+    ("bad_answer_mode", {**GOOD, "answer_mode": "some"}, r"answer_mode 'some': expected one of \('any', 'all'\)"),
+    ("bad_choice", {**GOOD, "choice_A": "x", "choice_B": "y", "answer": "C"}, r"answer 'C' is not one of the "
+                                                                              r"letters .*\['A', 'B'\]"),
+    ("too_many_chunks", {**GOOD, "context": "One. " * 40}, "more than 4 chunks of <= 8 tokens .*cutting stopped at 5"),
 ]
 
 
@@ -172,8 +177,9 @@ def test_every_refusal_class_is_exercised():
 def test_bad_rows_are_refused_with_row_and_reason(tokenizer, kind, record, match):
     result = convert_records([GOOD, record, GOOD], tokenizer, 8, max_chunks=4)
     assert len(result.rows) == 2 and [r["extra_info"]["source_row"] for r in result.rows] == [0, 2]
-    [(row, got_kind, message)] = result.refusals
-    assert (row, got_kind) == (1, kind) and re.search(match, message), message
+    [refusal] = result.refusals
+    assert (refusal.index, refusal.kind, refusal.where) == (1, kind, "row 1") and re.search(match, refusal.message), \
+        refusal.message
     assert f"refused row 1: {kind}: " in "\n".join(result.summary(8))
 
 
@@ -194,8 +200,8 @@ def test_cli_convert_summary_last_line_and_rows(tmp_path, capsys, tiny_models, t
     assert rc == 0 and len(rows) == 5
     assert out[-1] == (f"converted rows=5 refused=2 chunks_mean={sum(counts) / 5:.2f} "
                        f"chunk_tokens_max={max(chunks)}")
-    assert "refused row 5: bad_record: expected a JSON object, got str '{broken'" in out
-    assert any(line.startswith("refused row 6: missing_field: no answers") for line in out)
+    assert "refused mixed.jsonl line 6: bad_record: expected a JSON object, got str '{broken'" in out
+    assert any(line.startswith("refused mixed.jsonl line 7: missing_field: no answers") for line in out)
     assert f"chunks per episode: min {min(counts)} mean {sum(counts) / 5:.2f} max {max(counts)}" in out
     assert any(line.startswith("tokens per chunk: ") and line.endswith("(limit 64)") for line in out)
     assert rows[0]["prompt"][0]["content"].startswith("Read and remember.\n\nQuestions:\n1. ")

@@ -13,7 +13,8 @@ the episode becomes a ``records.Episode`` and goes to verl as ONE row via
 m_act, ``response_logprobs`` = the rollout log-probs (0.0 on context tokens).
 
 Reward: the loop scores the decoded text of its final call itself (SQuAD F1 against the
-row's answer aliases, ``tasks.reward.score_answers``) and sets ``reward_score`` (verl then
+row's answer aliases, or the share of its values found for an ``all`` question: the row's answer
+modes, ``tasks.reward.score_answers``) and sets ``reward_score`` (verl then
 skips its reward manager for the row and writes it at the last response token).
 
 ``extra_fields`` (read by the MemOPD trainer; verl carries them through unchanged, and its
@@ -195,11 +196,11 @@ class MemoryAgentLoop(AgentLoopBase):
         final = calls[-1]
         answer_ids = final.response_ids[:-1] if final.finish_reason == "stop" else final.response_ids
         answer_text = self.tokenizer.decode(answer_ids, skip_special_tokens=True)
-        score = score_answers(parse_answers(answer_text, len(task.answer_sets)), task.answer_sets)
+        score = score_answers(parse_answers(answer_text, len(task.answer_sets)), task.answer_sets, task.answer_modes)
         memory_calls = calls[:-1]  # >= 1: parse_row refuses a row without chunks
         diagnostics = {
             "memory_recall": answer_recall(self.tokenizer.decode(memory_calls[-1].memory_ids, skip_special_tokens=True),
-                                           task.answer_sets),
+                                           task.answer_sets, task.answer_modes),
             "memory_truncated": sum(c.finish_reason == "length" for c in memory_calls) / len(memory_calls),
         }
         episode = Episode(

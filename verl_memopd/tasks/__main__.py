@@ -7,12 +7,19 @@
         runs the scripted oracle on every row; --traces writes its calls as chat messages
         (columns episode_id, call, messages) for teacher SFT;
         last line: ``oracle F1=<x> EM=<y> episodes=<n>``
-    python -m verl_memopd.tasks convert IN --out DIR --tokenizer MODEL_DIR --chunk-tokens N
-            [--format auto|memagent|jsonl] [--split NAME] [--max-chunks M] [--strict] [--task TEXT]
-        your own long-context QA (JSONL, JSON or parquet; fields in tasks/convert.py) -> DIR/<split>.parquet,
-        the rows the agent loop reads; prints every refused row and why, then statistics;
-        last line: ``converted rows=<n> refused=<r> chunks_mean=<c> chunk_tokens_max=<t>``.
-        Exit 1 when no row converted, or with --strict when any row was refused (nothing is written then).
+    python -m verl_memopd.tasks convert IN [IN ...] --out DIR --tokenizer MODEL_DIR --chunk-tokens N
+            [--format auto|...] [--answer-mode auto|any|all] [--keep-instructions] [--corpus FILE]
+            [--split NAME] [--max-chunks M] [--strict] [--overwrite] [--task TEXT]
+            [--memory-tokens T --answer-tokens A]
+        your own long-context QA (JSON lines, JSON or parquet, gzip or not; layouts in tasks/layouts.py)
+        -> DIR/<split>.parquet, the rows the agent loop reads; prints every refused record with its place
+        (FILE line L | FILE [i] | FILE row i) and why, then statistics and the rollout lengths the rows
+        need (for the memory/answer budgets given); last line:
+        ``converted rows=<n> refused=<r> chunks_mean=<c> chunk_tokens_max=<t>``.
+        An existing DIR/<split>.parquet is refused unless --overwrite; the file is written to a temporary
+        file and renamed when complete. Exit 1 when no row converted, or with --strict when any row was
+        refused: nothing is written then (with --overwrite an old DIR/<split>.parquet is removed, so no
+        stale file looks current). Exit 2 for a file that cannot be read (one line naming it).
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ import argparse
 import time
 from pathlib import Path
 
-from verl_memopd.tasks.convert import FORMATS, convert_records, read_records
+from verl_memopd.tasks.convert import FORMAT_NAMES, Options, convert_records, write_rows_atomic
+from verl_memopd.tasks.readers import InputError, read_corpus, read_located
 from verl_memopd.tasks.dataset import parse_row, read_rows, to_row, write_rows
 from verl_memopd.tasks.generator import PRESETS, generate, get_preset
 from verl_memopd.tasks.oracle import run_oracle
@@ -65,23 +73,50 @@ def oracle(args: argparse.Namespace) -> None:
 def convert(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    records = read_records(args.input)
+    from verl_memopd.tasks.needs import METADATA_KEY
+
+    path = Path(args.out) / f"{args.split}.parquet"
+    if path.exists() and not args.overwrite:
+        print(f"{path} already exists ({_row_count(path)} rows): nothing converted; pass --overwrite to replace it, "
+              "or choose another --out / --split")
+        return 1
+    try:
+        records = [r for name in args.input for r in read_located(name)]
+        corpus = read_corpus(args.corpus) if args.corpus else None
+    except InputError as e:
+        print(f"error: {e}")
+        return 2
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    print(f"convert {args.input}: {len(records)} records, --format {args.format}, "
-          f"chunks of <= {args.chunk_tokens} tokens ({args.tokenizer})")
+    options = Options(args.answer_mode, args.keep_instructions, corpus)
+    print(f"convert {' '.join(args.input)}: {len(records)} records, --format {args.format}, --answer-mode "
+          f"{args.answer_mode}, chunks of <= {args.chunk_tokens} tokens ({args.tokenizer})"
+          + (f", corpus {args.corpus} ({len(corpus)} documents)" if corpus else ""))
     prompts = MemoryPrompts(task=args.task) if args.task is not None else MemoryPrompts()
     result = convert_records(records, tokenizer, args.chunk_tokens, args.format, args.split,
-                             Path(args.input).stem, args.max_chunks, prompts)
-    print("\n".join(result.summary(args.chunk_tokens)))
+                             Path(args.input[0]).stem, args.max_chunks, prompts, options, on_warning=print)
+    print("\n".join(line for line in result.summary(args.chunk_tokens, args.memory_tokens, args.answer_tokens)
+                     if not line.startswith("warning: ") or line not in result.warnings))
     failed = not result.rows or (args.strict and result.refusals)
     if failed:
         print("nothing written: " + ("no row converted" if not result.rows else "--strict and rows were refused"))
+        if path.exists():  # only reached with --overwrite
+            path.unlink()
+            print(f"removed the old {path} (--overwrite): it no longer matches the input")
     else:
-        path = Path(args.out) / f"{args.split}.parquet"
-        write_rows(result.rows, path)
+        needs = result.data_needs(args.tokenizer)
+        write_rows_atomic(result.rows, path, {METADATA_KEY: needs.to_json().encode()} if needs else None)
         print(f"wrote {path}")
     print(result.last_line())
     return 1 if failed else 0
+
+
+def _row_count(path: Path) -> str:
+    try:
+        import pyarrow.parquet as pq
+
+        return str(pq.read_metadata(path).num_rows)
+    except Exception:  # noqa: BLE001 -- only for the message
+        return "?"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,13 +132,26 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("path")
     o.add_argument("--traces", default=None, help="write the oracle's calls as chat messages to this parquet file")
     c = sub.add_parser("convert", help="your own long-context QA -> agent rows (see verl_memopd/tasks/convert.py)")
-    c.add_argument("input", help="a .jsonl, .json or .parquet file")
+    c.add_argument("input", nargs="+", help="JSON lines, JSON or parquet files (gzip or not), read in order")
     c.add_argument("--out", required=True, help="output folder; writes <out>/<split>.parquet")
     c.add_argument("--tokenizer", required=True, help="the student model's folder (its tokenizer cuts the chunks)")
     c.add_argument("--chunk-tokens", type=int, required=True, help="at most this many tokens per chunk")
-    c.add_argument("--format", default="auto", choices=sorted(FORMATS), help="field names (default: auto)")
+    c.add_argument("--format", default="auto", choices=FORMAT_NAMES,
+                   help="the records' layout (default: auto, recognised per record; see tasks/layouts.py)")
+    c.add_argument("--answer-mode", default="auto", choices=("auto", "any", "all"),
+                   help="any: a question's answers are aliases; all: values that must all be given; "
+                        "auto (default): the layout's (RULER niah/vt/cwe/fwe: all) or the record's answer_mode")
+    c.add_argument("--keep-instructions", action="store_true",
+                   help="keep RULER's instruction text in the question (default: stripped, the question kept)")
+    c.add_argument("--corpus", default=None, help="documents that index contexts point into (MemAgent's squad.json / "
+                                                  "hotpotqa_dev.json, or a JSON array of strings)")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing <out>/<split>.parquet")
+    c.add_argument("--memory-tokens", type=int, default=256, help="memopd.agent.memory_tokens, for the printed "
+                                                                 "response length the rows need (default 256)")
+    c.add_argument("--answer-tokens", type=int, default=64, help="memopd.agent.answer_tokens, likewise (default 64)")
     c.add_argument("--split", default="train", help="output file name and extra_info.split (default: train)")
-    c.add_argument("--max-chunks", type=int, default=None, help="refuse rows with more chunks (default: no limit)")
+    c.add_argument("--max-chunks", type=int, default=None,
+                   help="refuse rows with more chunks, and stop cutting them there (default: no limit)")
     c.add_argument("--strict", action="store_true", help="exit 1 and write nothing if any row is refused")
     c.add_argument("--task", default=None, help="task text at the top of q (default: MemoryPrompts.task)")
     args = parser.parse_args(argv)

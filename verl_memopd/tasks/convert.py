@@ -1,236 +1,109 @@
 """Your own long-context QA -> the agent loop's parquet rows (one row per episode).
 
-Input: JSONL, a JSON array, or parquet; one record = one episode. Field names (``--format``)::
+Input (``tasks.readers``): JSON lines, a JSON array or one JSON record, or parquet, gzip or not, the
+kind read from the content; one record = one episode. Layouts (``tasks.layouts``, ``--format``):
+RULER (NVIDIA's and MemAgent's), LongBench v2, HotpotQA (distractor JSON, parquet), MemAgent's
+``dataset_process.py`` rows, MemAgent's eval json / training parquet and LongBench (``memagent``),
+and the plain one (``jsonl``)::
 
     jsonl     context: str | [str, ...]   question: str | [str x K]   answers: [alias, ...] | [[alias, ...] x K]
-    memagent  MemAgent's own names (github.com/BytedTsinghua-SIA/MemAgent, as its data scripts write them):
-              context                      the long text, documents as "Document i:\\n<doc>" joined by blank lines
-                                           (taskutils/memory_data/processing.py)
-              input                        the question (taskutils/memory_data/convert_to_eval.py: eval_*.json;
-                                           taskutils/memory_data/ruler_data_prepare.py: RULER jsonl)
-              extra_info.question, prompt  the question in its training parquet (processing.py: prompt =
-                                           [{"role": "user", "content": question}])
-              answers | outputs | reward_model.ground_truth   the aliases (eval json | RULER | training parquet)
-    auto      either: a record's question is the first of question, input, extra_info.question, prompt that it
-              has; its answers the first of answers, outputs, reward_model.ground_truth
+              answer_mode (optional): "any" | "all" | ["any" | "all" x K]
+    memagent  context; input | extra_info.question | prompt; answers | outputs | reward_model.ground_truth
+              (github.com/BytedTsinghua-SIA/MemAgent taskutils/memory_data/: processing.py, convert_to_eval.py)
+    auto      recognises the layout of each record (``tasks.layouts``), else either name set above
 
 A list ``context`` is a list of documents, joined with MemAgent's convention ("Document {i}:\\n{doc}",
-``\\n\\n`` between). With one question (a string), ``answers`` is its alias list (or a single string);
-with K questions (a list), ``answers`` holds K entries, each an alias list or a single string.
+``\\n\\n`` between); a list of integers is a list of document indices into ``--corpus``. With one
+question (a string), ``answers`` is its answer list (or a single string); with K questions (a list),
+``answers`` holds K entries, each a list or a single string. Answer modes (``tasks.reward``): ``any``
+= the answers are aliases, ``all`` = values that must all be given (RULER's multi-value tasks).
 
-Chunking: the context is cut into units at sentence ends (``.!?`` plus closing quotes/brackets, before
-whitespace) and before blank lines (document starts; a "Document i:" header and its title line stay with
-the text that follows), and units are packed greedily, in order, into chunks of at most N tokens of the
-model's own tokenizer (``len(tokenizer.encode(chunk, add_special_tokens=False))``, every chunk checked).
-A unit longer than N tokens is cut between tokens (at the character offsets where tokens start: a token
-is never split). Chunks are the original text between cuts, stripped of surrounding whitespace.
+Chunking: the context is cut into units at sentence ends -- ``.!?`` plus closing quotes/brackets before
+whitespace, except after an abbreviation or initial ("U.S.", "Dr.", "J.") or before a lower-case
+word; and the ends of other scripts, ``。！？`` etc., with no space needed -- and before blank lines
+(document starts; a "Document i:" header and its title line stay with the text that follows). Units
+are packed greedily, in order, into chunks of at most N tokens of the model's own tokenizer
+(``len(tokenizer.encode(chunk, add_special_tokens=False))``, every chunk checked). A unit longer than
+N tokens is cut between tokens, at a word boundary when one fits (a token is never split). Chunks
+are the original text between cuts, stripped of surrounding whitespace.
 
-Refusals (a record is converted whole or refused with its row number and one reason; nothing is dropped
-silently): see :data:`REFUSALS`. Output rows: ``verl_memopd.tasks.dataset`` (``episode_row``), with
-``data_source = "memopd_convert/<input file stem>"`` and ``extra_info.source_row`` = the input row.
+Refusals (a record is converted whole or refused with its place in the file and one reason;
+nothing is dropped silently): see :data:`REFUSALS`. Output rows: ``verl_memopd.tasks.dataset``
+(``episode_row``), with ``data_source = "memopd_convert/<input file stem>"``, ``extra_info.answer_modes``
+and ``extra_info.source_row`` / ``source_file`` / ``source_id`` (the record's index in its file, the
+file, the source's own ``_id`` / ``id`` / ``index``).
 """
 
 from __future__ import annotations
 
-import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from verl_memopd.tasks.dataset import episode_row, parse_row
+from verl_memopd.tasks.layouts import (
+    DOCUMENT, FORMATS, LAYOUTS, REFUSALS, Options, QARecord, Refused, extract, join_documents,
+)
 from verl_memopd.tasks.prompts import MemoryPrompts
+from verl_memopd.tasks.readers import Located, read_located
 
-__all__ = ["FORMATS", "REFUSALS", "Refused", "QARecord", "read_records", "extract", "join_documents",
-           "split_units", "chunk_text", "ConvertResult", "convert_records", "SOURCE_PREFIX"]
+__all__ = ["FORMATS", "FORMAT_NAMES", "REFUSALS", "Refused", "QARecord", "Options", "read_records", "extract",
+           "join_documents", "split_units", "chunk_text", "ConvertResult", "convert_records", "SOURCE_PREFIX",
+           "DOCUMENT", "LARGE_CONTEXT_CHARS", "MANY_CHUNKS", "write_rows_atomic"]
 
 #: ``data_source`` prefix of converted rows; the input file's stem follows after a slash.
 SOURCE_PREFIX = "memopd_convert"
+#: ``--format`` choices.
+FORMAT_NAMES = tuple(sorted([*FORMATS, *LAYOUTS]))
+#: A context longer than this (characters) is announced before it is cut (about 100k tokens).
+LARGE_CONTEXT_CHARS = 400_000
+#: Rows with more chunks than this are listed after conversion (one memory call per chunk).
+MANY_CHUNKS = 200
 
-#: Where each format looks for the question and the answers (first present wins; dots = nesting).
-FORMATS: dict[str, dict[str, tuple[str, ...]]] = {
-    "jsonl": {"context": ("context",), "question": ("question",), "answers": ("answers",)},
-    "memagent": {"context": ("context",), "question": ("input", "extra_info.question", "prompt"),
-                 "answers": ("answers", "outputs", "reward_model.ground_truth")},
-    "auto": {"context": ("context",), "question": ("question", "input", "extra_info.question", "prompt"),
-             "answers": ("answers", "outputs", "reward_model.ground_truth")},
-}
-
-#: Refusal classes, as printed in the summary.
-REFUSALS = {
-    "bad_record": "the line/element is not a JSON object",
-    "missing_field": "no context, question or answers field",
-    "non_string": "context, a document, a question or an answer alias is not a string",
-    "empty_context": "the context (or one of its documents) is empty",
-    "empty_question": "a question is empty",
-    "no_answers": "a question has no answers (or an empty alias)",
-    "extra_answers": "more answer lists than questions",
-    "too_many_chunks": "the context yields more chunks than --max-chunks",
-}
-
-DOCUMENT = "Document {i}:\n{doc}"  # MemAgent's DOCUMENT_PROMPT (taskutils/memory_data/processing.py)
-_SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]*(?=\s)")
+# Latin sentence ends: . ! ? (closing quotes/brackets), then whitespace. Other scripts: no space needed.
+_SENTENCE_END = re.compile(r"[.!?\u2026][\"'\u201d\u2019)\]]*(?=\s)")
+_WIDE_END = re.compile(r"[\u3002\uff01\uff1f\uff0e\uff61\u0964\u0965\u061f\u06d4][\u300d\u300f\u201d\u2019\uff09)\]\u3011\"']*")
 _BLANK_LINE = re.compile(r"\n[ \t]*\n")
+_NEXT_CHAR = re.compile(r"\s*(\S)")
+#: Words after which a period does not end a sentence (lower-case, without the period).
+ABBREVIATIONS = frozenset(
+    "mr mrs ms dr prof st mt jr sr vs fig figs gen gov sen rep lt col sgt capt cpt maj adm approx dept univ inc "
+    "ltd corp bros vol pp rev hon pres e.g i.e cf al ca jan feb apr jun jul aug sep sept oct nov dec".split())
+_INITIALS = re.compile(r"(?:[A-Za-z]\.)*[A-Za-z]")  # "U.S" of "U.S.", "J" of "J. R. R."
 
 
-class Refused(ValueError):
-    """A record that cannot be converted: ``kind`` is one of :data:`REFUSALS`."""
-
-    def __init__(self, kind: str, message: str):
-        if kind not in REFUSALS:
-            raise KeyError(f"unknown refusal {kind!r}; valid: {sorted(REFUSALS)}")
-        super().__init__(f"{kind}: {message}")
-        self.kind = kind
-
-
-@dataclass(frozen=True)
-class QARecord:
-    """One input episode: the context text, K questions and K alias lists."""
-
-    context: str
-    questions: tuple[str, ...]
-    answer_sets: tuple[tuple[str, ...], ...]
-
-
-# --- reading --------------------------------------------------------------------------------
 def read_records(path: str | Path) -> list[Any]:
-    """All records of a ``.jsonl``, ``.json`` (array, or one object per line) or ``.parquet`` file, in order.
-
-    A JSONL line that does not parse is kept as its raw text (refused later as ``bad_record``);
-    blank lines are not records.
-    """
-    path = Path(path)
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    if path.suffix not in (".jsonl", ".json"):
-        raise ValueError(f"{path}: unknown input type {path.suffix!r}; expected .jsonl, .json or .parquet")
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
-        try:
-            whole = json.loads(text)
-            return whole if isinstance(whole, list) else [whole]
-        except json.JSONDecodeError:
-            pass  # one object per line
-    return [_json_line(line) for line in text.splitlines() if line.strip()]
-
-
-def _json_line(line: str) -> Any:
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError:
-        return line
-
-
-def _field(record: Mapping, names: Sequence[str]) -> tuple[str, Any] | None:
-    """The first of ``names`` (dotted = nested) present and not null in ``record``: (name, value)."""
-    for name in names:
-        value: Any = record
-        for part in name.split("."):
-            value = value.get(part) if isinstance(value, Mapping) else None
-        if value is not None:
-            return name, value
-    return None
-
-
-# --- one record -> QARecord -----------------------------------------------------------------
-def extract(record: Any, fmt: str = "auto") -> QARecord:
-    """Validate one record in layout ``fmt`` (see module docstring); raises :class:`Refused`."""
-    if fmt not in FORMATS:
-        raise KeyError(f"unknown format {fmt!r}; valid: {sorted(FORMATS)}")
-    if not isinstance(record, Mapping):
-        raise Refused("bad_record", f"expected a JSON object, got {type(record).__name__} {str(record)[:60]!r}")
-    names = FORMATS[fmt]
-    found = {key: _field(record, names[key]) for key in ("context", "question", "answers")}
-    missing = [f"{key} ({' | '.join(names[key])})" for key, hit in found.items() if hit is None]
-    if missing:
-        raise Refused("missing_field", "no " + ", no ".join(missing) + f" [--format {fmt}]")
-    (_, context), (q_name, q_value), (a_name, a_value) = found["context"], found["question"], found["answers"]
-    questions, single = _questions(q_value, q_name)
-    return QARecord(_context(context), questions, _answer_sets(a_value, a_name, len(questions), single))
-
-
-def join_documents(documents: Sequence[str]) -> str:
-    """MemAgent's convention: ``"Document 1:\\n<d1>\\n\\nDocument 2:\\n<d2>..."``."""
-    return "\n\n".join(DOCUMENT.format(i=i, doc=d.strip()) for i, d in enumerate(documents, 1))
-
-
-def _context(value: Any) -> str:
-    if isinstance(value, str):
-        if not value.strip():
-            raise Refused("empty_context", "context is empty")
-        return value
-    if not isinstance(value, (list, tuple)):
-        raise Refused("non_string", f"context must be a string or a list of documents, got {type(value).__name__}")
-    if not value:
-        raise Refused("empty_context", "context is an empty list of documents")
-    for i, doc in enumerate(value, 1):
-        if not isinstance(doc, str):
-            raise Refused("non_string", f"document {i} of the context is not a string ({type(doc).__name__})")
-        if not doc.strip():
-            raise Refused("empty_context", f"document {i} of the context is empty")
-    return join_documents(value)
-
-
-def _questions(value: Any, name: str) -> tuple[tuple[str, ...], bool]:
-    """The questions, and whether there was a single one (a string, not a list)."""
-    if name == "prompt":  # MemAgent's training rows: [{"role": "user", "content": question}]
-        users = [m for m in value if isinstance(m, Mapping) and m.get("role") == "user"] \
-            if isinstance(value, (list, tuple)) else []
-        if not users:
-            raise Refused("missing_field", "prompt has no user message (the question)")
-        value = users[-1].get("content")
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, (list, tuple)):
-        raise Refused("non_string", f"{name} must be a string or a list of strings, got {type(value).__name__}")
-    if not items:
-        raise Refused("empty_question", f"{name} is an empty list")
-    for k, q in enumerate(items, 1):
-        if not isinstance(q, str):
-            raise Refused("non_string", f"question {k} ({name}) is not a string ({type(q).__name__})")
-        if not q.strip():
-            raise Refused("empty_question", f"question {k} ({name}) is empty")
-    return tuple(q.strip() for q in items), isinstance(value, str)
-
-
-def _answer_sets(value: Any, name: str, k: int, single: bool) -> tuple[tuple[str, ...], ...]:
-    """K alias tuples: one question takes a flat alias list (or ``[[...]]``), K questions take K entries."""
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, (list, tuple)):
-        raise Refused("non_string", f"{name} must be a list of answers, got {type(value).__name__}")
-    nested = any(isinstance(v, (list, tuple)) for v in value)
-    if single and not nested:
-        value = [value]
-    if len(value) < k or not value:
-        raise Refused("no_answers", f"question {len(value) + 1} has no answers ({k} questions, "
-                                    f"{len(value)} answer lists in {name})")
-    if len(value) > k:
-        raise Refused("extra_answers", f"{len(value)} answer lists in {name} for {k} question(s)")
-    out = []
-    for q, aliases in enumerate(value, 1):
-        aliases = [aliases] if isinstance(aliases, str) else aliases
-        if not isinstance(aliases, (list, tuple)):
-            raise Refused("non_string", f"the answers of question {q} are not strings ({type(aliases).__name__})")
-        if not aliases:
-            raise Refused("no_answers", f"question {q} has no answers ({name})")
-        for a in aliases:
-            if not isinstance(a, str):
-                raise Refused("non_string", f"an answer of question {q} is not a string ({type(a).__name__} {a!r})")
-            if not a.strip():
-                raise Refused("no_answers", f"question {q} has an empty answer alias ({name})")
-        out.append(tuple(a.strip() for a in aliases))
-    return tuple(out)
+    """The record values of a file, in order (``tasks.readers.read_located`` without the places)."""
+    return [r.value for r in read_located(path)]
 
 
 # --- chunking -------------------------------------------------------------------------------
+def sentence_ends(text: str) -> list[int]:
+    """Character offsets just after each sentence end of ``text`` (rules in the module docstring)."""
+    ends = [m.end() for m in _WIDE_END.finditer(text)]
+    for m in _SENTENCE_END.finditer(text):
+        if text[m.start()] == ".":
+            k = m.start()
+            while k > 0 and not text[k - 1].isspace() and m.start() - k < 24:
+                k -= 1
+            word = text[k:m.start()].lstrip("\"'(\u201c\u2018[")
+            if _INITIALS.fullmatch(word) or word.lower() in ABBREVIATIONS:
+                continue
+        after = _NEXT_CHAR.match(text, m.end())
+        if after and after.group(1).islower():  # "... approx. three" or "e.g. the": the sentence goes on
+            continue
+        ends.append(m.end())
+    return sorted(ends)
+
+
 def split_units(text: str) -> list[str]:
     """Cut ``text`` at sentence ends and before blank lines; the units concatenate back to ``text``.
 
     Whitespace belongs to the unit it precedes; a whitespace-only piece joins the next unit.
     """
-    cuts = {m.end() for m in _SENTENCE_END.finditer(text)} | {m.start() for m in _BLANK_LINE.finditer(text)}
+    cuts = set(sentence_ends(text)) | {m.start() for m in _BLANK_LINE.finditer(text)}
     units, start = [], 0
     for cut in sorted(c for c in cuts if 0 < c < len(text)):
         if text[start:cut].strip():
@@ -244,8 +117,12 @@ def split_units(text: str) -> list[str]:
     return units
 
 
-def chunk_text(text: str, tokenizer: Any, max_tokens: int) -> list[str]:
-    """Chunks of ``text`` of at most ``max_tokens`` tokens each (see module docstring), in order."""
+def chunk_text(text: str, tokenizer: Any, max_tokens: int, limit: int | None = None) -> list[str]:
+    """Chunks of ``text`` of at most ``max_tokens`` tokens each (see module docstring), in order.
+
+    ``limit``: stop once there are more than ``limit`` chunks (the caller refuses the row; a huge
+    context is then not cut to the end).
+    """
     if max_tokens < 1:
         raise ValueError(f"--chunk-tokens must be >= 1, got {max_tokens}")
     count = _counter(tokenizer)
@@ -253,7 +130,7 @@ def chunk_text(text: str, tokenizer: Any, max_tokens: int) -> list[str]:
     sizes = [len(ids) for ids in tokenizer(units, add_special_tokens=False)["input_ids"]]
     chunks: list[str] = []
     start = 0
-    while start < len(units):
+    while start < len(units) and (limit is None or len(chunks) <= limit):
         end = _longest_run(units, sizes, start, count, max_tokens)
         piece = "".join(units[start:end]).strip()
         chunks += [piece] if count(piece) <= max_tokens else _split_between_tokens(piece, tokenizer, max_tokens)
@@ -292,8 +169,21 @@ def _counter(tokenizer: Any) -> Callable[[str], int]:
     return lambda s: len(tokenizer.encode(s, add_special_tokens=False))
 
 
+def _no_space_script(ch: str) -> bool:
+    """Scripts written without spaces between words (CJK, kana, hangul): every character is a boundary."""
+    o = ord(ch)
+    return 0x2E80 <= o <= 0x9FFF or 0xAC00 <= o <= 0xD7AF or 0xF900 <= o <= 0xFAFF or 0xFF00 <= o <= 0xFFEF
+
+
+def _word_boundary(text: str, i: int) -> bool:
+    """Whether a cut before ``text[i]`` falls between words (never inside a word of a spaced script)."""
+    a, b = text[i - 1], text[i]
+    return not (a.isalnum() and b.isalnum()) or _no_space_script(a) or _no_space_script(b)
+
+
 def _split_between_tokens(text: str, tokenizer: Any, max_tokens: int) -> list[str]:
-    """A unit longer than ``max_tokens``: cut at token starts (never inside a token), each piece checked.
+    """A unit longer than ``max_tokens``: cut at token starts (never inside a token), at a word boundary
+    when one lies within the budget, each piece checked.
 
     A cut is a token's start offset that lies past the previous token (the byte tokens of one character
     share offsets and are never separated).
@@ -309,43 +199,95 @@ def _split_between_tokens(text: str, tokenizer: Any, max_tokens: int) -> list[st
         n = c
         while n + 1 < len(cuts) and cuts[n + 1][1] - cuts[c][1] <= max_tokens:
             n += 1
-        piece = _fitting(text[cuts[c][0]:cuts[n][0]], count, max_tokens) if n > c else None
-        while n > c + 1 and piece is None:  # re-encoding a piece alone may take a token more
-            n -= 1
-            piece = _fitting(text[cuts[c][0]:cuts[n][0]], count, max_tokens)
+        within = range(n, c, -1)  # candidate ends, longest first: word boundaries, then any token start
+        candidates = [e for e in within if cuts[e][0] == len(text) or _word_boundary(text, cuts[e][0])] + \
+                     [e for e in within if not (cuts[e][0] == len(text) or _word_boundary(text, cuts[e][0]))]
+        piece, end = None, c
+        for e in candidates:  # re-encoding a piece alone may take a token more
+            piece = _fitting(text[cuts[c][0]:cuts[e][0]], count, max_tokens)
+            if piece is not None:
+                end = e
+                break
         if piece is None:
             raise ValueError(f"--chunk-tokens {max_tokens} is too small: {text[cuts[c][0]:][:40]!r}... "
                              "cannot be cut between tokens into pieces that fit")
         pieces += [piece] if piece else []
-        c = n
+        c = end
     return pieces
 
 
 # --- records -> rows ------------------------------------------------------------------------
 @dataclass(frozen=True)
+class Refusal:
+    """A refused record: its index among the records, class, message and place (``FILE line L``...)."""
+
+    index: int
+    kind: str
+    message: str
+    where: str
+
+
+@dataclass(frozen=True)
 class ConvertResult:
-    """Rows written, refusals ``(row, kind, message)``, and per-row statistics of the rows kept."""
+    """Rows written, refusals, warnings, and per-row statistics of the rows kept.
+
+    ``needs``: per row ``(M, F, E)`` (``tasks.needs.episode_needs``; empty without a chat template).
+    """
 
     rows: tuple[dict, ...]
-    refusals: tuple[tuple[int, str, str], ...]
+    refusals: tuple[Refusal, ...]
     chunk_counts: tuple[int, ...]
     chunk_tokens: tuple[int, ...]  # every chunk of every row
     prompt_tokens: tuple[int, ...]  # q of every row, rendered with the chat template when there is one
+    warnings: tuple[str, ...] = ()
+    needs: tuple[tuple[int, int, int], ...] = ()
+    layouts: tuple[tuple[str, str], ...] = ()  # per row: (layout, RULER template or "")
 
-    def summary(self, max_tokens: int) -> list[str]:
-        """The printed summary: every refusal with its input row, then statistics (CLI prints a last line)."""
-        lines = [f"refused row {i}: {message}" for i, _, message in self.refusals]
+    def data_needs(self, tokenizer_name: str = ""):
+        """The rows' :class:`tasks.needs.DataNeeds` (None when they could not be measured)."""
+        from verl_memopd.tasks.needs import DataNeeds
+
+        if not self.needs or len(self.needs) != len(self.rows):
+            return None
+        return DataNeeds(max(self.prompt_tokens), max(e for _, _, e in self.needs),
+                         tuple((m, f) for m, f, _ in self.needs), tokenizer_name)
+
+    def summary(self, max_tokens: int, memory_tokens: int = 256, answer_tokens: int = 64) -> list[str]:
+        """The printed summary: every refusal with its place, then statistics (CLI prints a last line)."""
+        lines = [f"refused {r.where}: {r.message}" for r in self.refusals]
         if self.refusals:
-            kinds = sorted({k for _, k, _ in self.refusals})
+            kinds = sorted({r.kind for r in self.refusals})
             lines.append("refusals by class: " + " ".join(
-                f"{k}={sum(r[1] == k for r in self.refusals)}" for k in kinds))
+                f"{k}={sum(r.kind == k for r in self.refusals)}" for k in kinds))
+        lines += list(self.warnings)
         n_q = [len(r["extra_info"]["questions"]) for r in self.rows]
         lines.append(f"rows: {len(self.rows)}" + (f" (questions per row {_stats(n_q, '.2f')})" if n_q else ""))
-        if self.rows:
-            lines += [f"chunks per episode: {_stats(self.chunk_counts, '.2f')}",
-                      f"tokens per chunk: {_stats(self.chunk_tokens, '.1f')} (limit {max_tokens})",
-                      f"q tokens: {_stats(self.prompt_tokens, '.1f')} (data.max_prompt_length must be >= "
-                      f"{max(self.prompt_tokens)})"]
+        if not self.rows:
+            return lines
+        layouts = sorted({(lay, t) for lay, t in self.layouts})
+        lines.append("layouts: " + " ".join(f"{lay}{'/' + t if t else ''}={self.layouts.count((lay, t))}"
+                                            for lay, t in layouts)
+                     + ("" if not any(t for _, t in layouts) else
+                        "  (RULER: instructions stripped from the question unless --keep-instructions; "
+                        "'unknown' = no known template, the input kept whole)"))
+        modes = [m for r in self.rows for m in r["extra_info"]["answer_modes"]]
+        lines.append(f"answer modes: any={modes.count('any')} (aliases, max over them) all={modes.count('all')} "
+                     "(values, share found)")
+        lines += [f"chunks per episode: {_stats(self.chunk_counts, '.2f')}",
+                  f"tokens per chunk: {_stats(self.chunk_tokens, '.1f')} (limit {max_tokens})",
+                  f"q tokens: {_stats(self.prompt_tokens, '.1f')} (data.max_prompt_length must be >= "
+                  f"{max(self.prompt_tokens)})"]
+        needs = self.data_needs()
+        if needs is not None:
+            lines.append(f"packed response: data.max_response_length (actor_rollout_ref.rollout.response_length) "
+                         f"must be >= {needs.response_length(memory_tokens, answer_tokens)} with "
+                         f"memopd.agent.memory_tokens={memory_tokens} answer_tokens={answer_tokens} (longest row, "
+                         f"every memory call writing its whole budget; recorded in the parquet file and checked "
+                         f"by the recipe before Ray starts)")
+        many = [c for c in self.chunk_counts if c > MANY_CHUNKS]
+        if many:
+            lines.append(f"warning: {len(many)} row(s) have more than {MANY_CHUNKS} chunks (max {max(many)}): one "
+                         f"memory call per chunk; --max-chunks M refuses rows with more than M chunks")
         return lines
 
     def last_line(self) -> str:
@@ -360,28 +302,67 @@ def _stats(values: Sequence[float], fmt: str) -> str:
 
 def convert_records(records: Sequence[Any], tokenizer: Any, chunk_tokens: int, fmt: str = "auto",
                     split: str = "train", source: str = "input", max_chunks: int | None = None,
-                    prompts: MemoryPrompts = MemoryPrompts()) -> ConvertResult:
-    """Convert records (input row i = ``records[i]``) to agent rows; refused rows are listed, not raised."""
+                    prompts: MemoryPrompts = MemoryPrompts(), options: Options = Options(),
+                    on_warning: Callable[[str], None] | None = None) -> ConvertResult:
+    """Convert records to agent rows; refused rows are listed, not raised.
+
+    A record is a value (its place: ``row i``, ``source`` names its file) or a :class:`Located` from
+    ``tasks.readers`` (its place and file: ``FILE line L`` etc.; ``source`` = the file's stem when
+    the place names no file). ``on_warning`` is called at once with each warning (a huge context).
+    """
     if max_chunks is not None and max_chunks < 1:
         raise ValueError(f"--max-chunks must be >= 1, got {max_chunks}")
-    rows, refusals, counts, sizes, q_sizes = [], [], [], [], []
+    rows, refusals, counts, sizes, q_sizes, warnings, needs, layouts = [], [], [], [], [], [], [], []
     count = _counter(tokenizer)
-    for i, raw in enumerate(records):
+    measure = bool(getattr(tokenizer, "chat_template", None))
+    for i, item in enumerate(records):
+        raw, where, stem, file_row = _place(item, i, source)
         try:
-            record, chunks = _convert_one(raw, tokenizer, chunk_tokens, fmt, max_chunks)
+            record = extract(raw, fmt, options)
+            if len(record.context) > LARGE_CONTEXT_CHARS:
+                warnings.append(_large_warning(where, record.context, chunk_tokens, max_chunks))
+                if on_warning:
+                    on_warning(warnings[-1])
+            chunks = chunk_text(record.context, tokenizer, chunk_tokens, max_chunks)
+            if max_chunks is not None and len(chunks) > max_chunks:
+                raise Refused("too_many_chunks", f"the context yields more than {max_chunks} chunks of <= "
+                                                 f"{chunk_tokens} tokens (--max-chunks {max_chunks}; cutting stopped "
+                                                 f"at {len(chunks)})")
         except Refused as refused:
-            refusals.append((i, refused.kind, str(refused)))
+            refusals.append(Refusal(i, refused.kind, str(refused), where))
             continue
         except ValueError as e:  # a setting that no row can meet (e.g. --chunk-tokens too small)
-            raise ValueError(f"row {i}: {e}") from None
-        row = episode_row(f"{SOURCE_PREFIX}/{source}", record.questions, record.answer_sets, chunks, len(rows),
-                          split, f"{split}-{len(rows)}", prompts, extra={"source_row": i})
-        parse_row(row["extra_info"], row["reward_model"], where=f"row {i}")  # the agent loop's own gate
+            raise ValueError(f"{where}: {e}") from None
+        extra = {"source_row": file_row, "source_file": stem, "source_id": record.source_id}
+        row = episode_row(f"{SOURCE_PREFIX}/{stem}", record.questions, record.answer_sets, chunks, len(rows),
+                          split, f"{split}-{len(rows)}", prompts, extra=extra, answer_modes=record.answer_modes)
+        parse_row(row["extra_info"], row["reward_model"], where=where)  # the agent loop's own gate
         rows.append(row)
+        layouts.append((record.layout, record.template or ""))
         counts.append(len(chunks))
         sizes += [count(c) for c in chunks]
         q_sizes.append(count(_render(tokenizer, row["prompt"])))
-    return ConvertResult(tuple(rows), tuple(refusals), tuple(counts), tuple(sizes), tuple(q_sizes))
+        if measure:
+            from verl_memopd.tasks.needs import episode_needs
+
+            needs.append(episode_needs(tokenizer, row["prompt"], chunks, prompts))
+    return ConvertResult(tuple(rows), tuple(refusals), tuple(counts), tuple(sizes), tuple(q_sizes), tuple(warnings),
+                         tuple(needs), tuple(layouts))
+
+
+def _place(item: Any, i: int, source: str) -> tuple[Any, str, str, int]:
+    """(value, place, file stem, index in its file) of the i-th record."""
+    if isinstance(item, Located):
+        return item.value, item.where, item.file or source, item.index
+    return item, f"row {i}", source, i
+
+
+def _large_warning(where: str, context: str, chunk_tokens: int, max_chunks: int | None) -> str:
+    estimate = len(context) // 4 // chunk_tokens + 1  # ~4 characters per token
+    limit = (f"--max-chunks {max_chunks} stops cutting it after {max_chunks} chunks and refuses it" if max_chunks
+             else "--max-chunks M would refuse rows with more than M chunks (and stop cutting them early)")
+    return (f"warning: {where}: a context of {len(context) / 1e6:.2f} M characters, about {estimate} chunks of "
+            f"{chunk_tokens} tokens = {estimate} memory calls per episode; cutting it takes a while; {limit}")
 
 
 def _render(tokenizer: Any, prompt: list[dict]) -> str:
@@ -391,11 +372,21 @@ def _render(tokenizer: Any, prompt: list[dict]) -> str:
     return prompt[-1]["content"]
 
 
-def _convert_one(raw: Any, tokenizer: Any, chunk_tokens: int, fmt: str,
-                 max_chunks: int | None) -> tuple[QARecord, list[str]]:
-    record = extract(raw, fmt)
-    chunks = chunk_text(record.context, tokenizer, chunk_tokens)
-    if max_chunks is not None and len(chunks) > max_chunks:
-        raise Refused("too_many_chunks", f"the context yields {len(chunks)} chunks of <= {chunk_tokens} tokens, "
-                                         f"more than --max-chunks {max_chunks}")
-    return record, chunks
+def write_rows_atomic(rows: Sequence[dict], path: str | Path, metadata: dict[bytes, bytes] | None = None) -> int:
+    """Write rows to ``path`` through a temporary file in the same folder, renamed over it when complete
+    (a failed write leaves no partial file); ``metadata`` is added to the parquet schema's."""
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pandas(pd.DataFrame(list(rows)), preserve_index=False)
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), **(metadata or {})})
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return table.num_rows

@@ -9,6 +9,8 @@ Row schema (one episode per row; what ``RLHFDataset`` reads and the agent loop r
     extra_info    {"index": i, "split": s, "episode_id": "<split>-<i>",
                    "questions": [str x K], "chunks": [str x N],
                    "support": [[fact sentence, ...] x K]}   (benchmark rows; analysis only, never shown)
+                  converted rows (tasks.convert) add "answer_modes": ["any" | "all" x K] (read by the
+                  reward: aliases vs values, see tasks.reward) and "source_row", "source_id", "source_file"
     agent_name    "memopd_memory_agent"                      the agent loop registered in verl_memopd.agent
 
 :func:`parse_row` is the one gate back in: a row with missing answers, empty chunks or a
@@ -23,7 +25,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from verl_memopd.tasks.generator import MemoryTask
 from verl_memopd.tasks.prompts import MemoryPrompts
-from verl_memopd.tasks.reward import as_answer_sets
+from verl_memopd.tasks.reward import as_answer_modes, as_answer_sets
 
 __all__ = ["AGENT_NAME", "DATA_SOURCE", "TaskRow", "to_row", "episode_row", "parse_row", "write_rows", "read_rows"]
 
@@ -35,12 +37,20 @@ DATA_SOURCE = "memopd_memory"
 
 @dataclass(frozen=True)
 class TaskRow:
-    """A validated dataset row: what the agent and the oracle need (``where`` names it in errors)."""
+    """A validated dataset row: what the agent and the oracle need (``where`` names it in errors).
+
+    ``answer_modes``: one of ``tasks.reward.ANSWER_MODES`` per question (``any`` when the row has none).
+    """
 
     where: str
     questions: tuple[str, ...]
     chunks: tuple[str, ...]
     answer_sets: tuple[tuple[str, ...], ...]
+    answer_modes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.answer_modes:
+            object.__setattr__(self, "answer_modes", ("any",) * len(self.answer_sets))
 
 
 def to_row(task: MemoryTask, preset: str, split: str, index: int, prompts: MemoryPrompts = MemoryPrompts()) -> dict:
@@ -54,8 +64,12 @@ def to_row(task: MemoryTask, preset: str, split: str, index: int, prompts: Memor
 
 def episode_row(data_source: str, questions: Sequence[str], answer_sets: Sequence[Sequence[str]],
                 chunks: Sequence[str], index: int, split: str, episode_id: str,
-                prompts: MemoryPrompts = MemoryPrompts(), extra: Mapping | None = None) -> dict:
+                prompts: MemoryPrompts = MemoryPrompts(), extra: Mapping | None = None,
+                answer_modes: Sequence[str] | None = None) -> dict:
     """One row of the schema above from its parts (K questions, K alias lists, N chunk texts).
+
+    ``answer_modes`` (K names, ``tasks.reward.ANSWER_MODES``) is written to ``extra_info.answer_modes``
+    when given; a row without it scores every question as ``any`` (aliases).
 
     ``extra`` adds keys to ``extra_info`` (analysis only; the agent loop reads none of them).
     Shared by the benchmark (:func:`to_row`) and ``tasks.convert`` (your own data).
@@ -67,7 +81,8 @@ def episode_row(data_source: str, questions: Sequence[str], answer_sets: Sequenc
         "reward_model": {"style": "rule", "ground_truth": [list(a) for a in answer_sets]},
         "extra_info": {
             "index": index, "split": split, "episode_id": episode_id,
-            "questions": list(questions), "chunks": list(chunks), **(extra or {}),
+            "questions": list(questions), "chunks": list(chunks),
+            **({"answer_modes": list(answer_modes)} if answer_modes is not None else {}), **(extra or {}),
         },
         "agent_name": AGENT_NAME,
     }
@@ -102,7 +117,8 @@ def parse_row(extra_info: Mapping | None, reward_model: Mapping | None, where: s
     answer_sets = as_answer_sets(reward_model["ground_truth"], where)
     if len(answer_sets) != len(questions):
         raise ValueError(f"{where}: {len(questions)} questions but {len(answer_sets)} answer sets (K mismatch)")
-    return TaskRow(where, questions, chunks, answer_sets)
+    modes = as_answer_modes(extra_info.get("answer_modes"), len(answer_sets), where)
+    return TaskRow(where, questions, chunks, answer_sets, modes)
 
 
 def write_rows(rows: Iterable[dict], path: str | Path) -> int:

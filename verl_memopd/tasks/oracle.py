@@ -103,4 +103,5 @@ def run_oracle(row: TaskRow, prompts: MemoryPrompts = MemoryPrompts()) -> Oracle
     answers = _resolve(chains, memory)
     final_memory = "\n".join(f.sentence for f in memory.values())
     calls.append(OracleCall(prompts.answer_message(final_memory), format_answers(answers)))
-    return OracleEpisode(row.where, tuple(calls), tuple(answers), score_answers(answers, row.answer_sets))
+    score = score_answers(answers, row.answer_sets, row.answer_modes)
+    return OracleEpisode(row.where, tuple(calls), tuple(answers), score)
