@@ -20,7 +20,8 @@ from verl.workers.config import ActorConfig
 from verl.workers.utils.losses import ppo_loss
 
 from verl_memopd.losses import get_divergence, naive_divergence
-from verl_memopd.losses.actor import LossInputError, OPDLossConfig, assign_global_teacher_counts, memopd_actor_loss
+from verl_memopd.losses.actor import (STUDENT_LOGITS_STREAM, LossInputError, OPDLossConfig,
+                                      assign_global_teacher_counts, memopd_actor_loss, opd_loss)
 from verl_memopd.supervision import get_transport, nest_payload
 
 V, ROWS, H, HT = 41, 48, 8, 10  # vocabulary, padded head rows, student / teacher hidden
@@ -81,8 +82,9 @@ def _batch(params, transport="hidden", seed=1, temperature=TEMP):
     return td
 
 
-def _model_output(params, data):
-    """What the actor engine returns for a micro-batch (log_probs/entropy as verl; memopd_* as documented)."""
+def _model_output(params, data, stream=False):
+    """What the actor engine returns for a micro-batch (log_probs/entropy as verl; memopd_* as documented);
+    ``stream``: also the tensor every output is computed from (here the hidden states, (sum L, H))."""
     ids = data["input_ids"]
     temp = data["temperature"]
     temp = temp.repeat_interleave(ids.offsets().diff()) if isinstance(temp, torch.Tensor) else torch.tensor(temp)
@@ -97,6 +99,7 @@ def _model_output(params, data):
         "memopd_hidden": nest(hidden),
         "memopd_lm_head_weight": params["head"],
         "memopd_teacher_head_weight": params["t_head"],
+        **({STUDENT_LOGITS_STREAM: hidden} if stream else {}),
     }
 
 
@@ -296,3 +299,53 @@ def test_global_teacher_counts_sum_over_data_parallel_ranks():
     with tempfile.TemporaryDirectory() as tmp:
         args = (os.path.join(tmp, "store"), ([0, 3], [1, 2, 4, 5]), expected)
         mp.start_processes(_count_worker, args=args, nprocs=2, start_method="fork")  # fork: no re-import of verl
+
+
+# --- the PPO weight (memopd.ppo_coef) and the per-term gradient norms ------------------------------
+@pytest.mark.parametrize("ppo_coef", [0.0, 0.5])
+def test_ppo_coef_scales_only_the_ppo_term(ppo_coef):
+    params = _params()
+    data = _batch(params)
+    opd = OPDLossConfig(vocab_size=V, coef=COEF)
+    full, _ = memopd_actor_loss(_actor_config(), opd, _model_output(params, data), data)
+    scaled, _ = memopd_actor_loss(_actor_config(), opd, _model_output(params, data), data, ppo_coef=ppo_coef)
+    ppo, _ = ppo_loss(_actor_config(), _model_output(params, data), data)
+    torch.testing.assert_close(scaled, full - (1 - ppo_coef) * ppo)
+    assert abs(float(ppo.detach())) > 1e-3  # the PPO term is not zero on this batch: the check above can fail
+
+
+def test_term_grad_norms_equal_separate_backward_passes():
+    params = _params()
+    data = _batch(params)
+    out = _model_output(params, data, stream=True)
+    stream = out[STUDENT_LOGITS_STREAM]  # both terms are computed from it
+    opd = OPDLossConfig(vocab_size=V, coef=COEF)
+    _, metrics = memopd_actor_loss(_actor_config(), opd, out, data, grad_norms=True)
+    ppo, _ = ppo_loss(_actor_config(), out, data)
+    distill, _ = opd_loss(opd, out, data)
+    for name, term in (("ppo", ppo), ("opd", distill)):
+        want = torch.autograd.grad(term, stream, retain_graph=True)[0].norm()
+        got = torch.as_tensor(Metric.aggregate_dp([metrics[f"memopd/grad_norm_logits/{name}"]]))
+        torch.testing.assert_close(got.float(), want)
+    assert Metric.aggregate_dp([metrics["memopd/grad_norm_logits/ppo"]]) != Metric.aggregate_dp([metrics["memopd/grad_norm_logits/opd"]])
+    _, plain = memopd_actor_loss(_actor_config(), opd, _model_output(params, data), data, grad_norms=True)
+    assert not any(k.startswith("memopd/grad_norm_logits") for k in plain)  # no stream: nothing reported
+
+
+def test_opd_alone_halves_the_reverse_kl_of_a_fixed_batch_in_20_adam_steps():
+    """One fixed batch, zero advantages (the PPO term has no gradient), 20 Adam steps on the actor loss: the
+    student's reverse KL to the teacher at the m_T tokens must fall by more than half."""
+    params = _params()
+    data = _batch(params)
+    data["advantages"] = _nested([torch.zeros(r) for r in RESP_LENS])
+    opd = OPDLossConfig(vocab_size=V, coef=1.0)
+    trainable = [params["emb"], params["head"]]
+    adam = torch.optim.Adam(trainable, lr=0.05)
+    kls = []
+    for _ in range(21):
+        loss, metrics = memopd_actor_loss(_actor_config(), opd, _model_output(params, data), data)
+        kls.append(float(Metric.aggregate_dp([metrics["memopd/reverse_kl"]])))
+        adam.zero_grad()
+        loss.backward()
+        adam.step()
+    assert kls[-1] < 0.5 * kls[0], f"reverse KL {kls[0]:.4f} -> {kls[-1]:.4f} after 20 Adam steps"

@@ -1,6 +1,8 @@
 """The combined MemOPD actor loss, through verl's actor-loss interface.
 
-    L = L_PPO(m_act) - alpha * H(m_act) + lambda * L_OPD(m_T),   L_OPD = (1 / sum m_T) * sum_j m_T,j * D_j
+    L = c_PPO * (L_PPO(m_act) - alpha * H(m_act)) + lambda * L_OPD(m_T),   L_OPD = (1 / sum m_T) * sum_j m_T,j * D_j
+
+``c_PPO`` is ``memopd.ppo_coef`` (1: the method; 0: on-policy distillation alone).
 
 ``L_PPO - alpha*H`` is verl's own ``ppo_loss`` (policy-loss registry, ``actor.entropy_coeff`` =
 alpha, verl's KL loss if configured); ``D_j`` is the full-vocabulary divergence at action
@@ -44,6 +46,9 @@ Inputs -- verl's V1 NO_PADDING layout: jagged nested tensors, one row per episod
       or
         memopd_logits (B, L*, V_rows)  unscaled logits, same alignment;
       memopd_teacher_head_weight (V_rows_t, H_t)  frozen copy of the teacher head ('hidden' only)
+      memopd_logits_stream  the model's logits tensor itself ((1, N, V) stream or (B, L, V) padded), which both
+                            verl's log-probs and ``memopd_logits`` are views of; optional: with it, audit
+                            steps report each term's gradient norm w.r.t. the logits (:func:`term_grad_norms`)
 """
 
 from __future__ import annotations
@@ -62,7 +67,8 @@ from verl_memopd.losses.chunked import Chunking, DivergenceResult, StudentLogits
 from verl_memopd.losses.divergences import get_divergence
 from verl_memopd.supervision import get_transport
 
-__all__ = ["OPDLossConfig", "LossInputError", "assign_global_teacher_counts", "opd_loss", "memopd_actor_loss"]
+__all__ = ["OPDLossConfig", "LossInputError", "assign_global_teacher_counts", "opd_loss", "memopd_actor_loss",
+           "term_grad_norms"]
 
 TEACHER_MASK = "memopd_teacher_mask"
 CALL_INDEX = "memopd_call_index"
@@ -71,6 +77,7 @@ TEACHER_NUM_TOKENS_PER_CALL = "memopd_teacher_num_tokens_per_call"
 STUDENT_HIDDEN = "memopd_hidden"
 STUDENT_HEAD = "memopd_lm_head_weight"
 STUDENT_LOGITS = "memopd_logits"
+STUDENT_LOGITS_STREAM = "memopd_logits_stream"
 TEACHER_HEAD = "memopd_teacher_head_weight"
 
 
@@ -280,15 +287,33 @@ def _padding_only(data: TensorDict) -> bool:
     return int(tu.get_non_tensor_data(data=data, key="batch_num_tokens", default=1)) == 0
 
 
-def memopd_actor_loss(config, opd_config: OPDLossConfig, model_output: dict, data: TensorDict, dp_group=None):
-    """verl actor-loss hook: ``L_PPO(m_act) - alpha*H + lambda*L_OPD(m_T)`` -> (loss, metrics).
+def term_grad_norms(policy_loss: torch.Tensor, distill: torch.Tensor, logits: torch.Tensor) -> dict:
+    """The gradient norm of each loss term, unweighted, w.r.t. the student's ``logits`` (the tensor both terms are
+    computed from: every parameter gradient is this gradient pulled back through the same network, so the two
+    norms compare the terms' pull on the model). Two extra backward passes through the loss ops only (not the
+    model), for audit steps. Metrics ``memopd/grad_norm_logits/{ppo,opd}`` (mean over micro-batches)."""
+    norms = {}
+    for name, term in (("ppo", policy_loss), ("opd", distill)):
+        grad = torch.autograd.grad(term, logits, retain_graph=True, allow_unused=True)[0] if term.requires_grad else None
+        value = torch.zeros((), device=logits.device) if grad is None else grad.float().norm()
+        norms[f"memopd/grad_norm_logits/{name}"] = Metric(AggregationType.MEAN, value.detach())
+    return norms
+
+
+def memopd_actor_loss(config, opd_config: OPDLossConfig, model_output: dict, data: TensorDict, dp_group=None,
+                      ppo_coef: float = 1.0, grad_norms: bool = False):
+    """verl actor-loss hook: ``c_PPO * (L_PPO(m_act) - alpha*H) + lambda*L_OPD(m_T)`` -> (loss, metrics).
 
     ``config`` is verl's ActorConfig (policy loss, clip ratios, ``entropy_coeff`` = alpha, loss
-    aggregation); ``opd_config`` the teacher branch. Same signature as verl's ``ppo_loss``.
+    aggregation); ``opd_config`` the teacher branch; ``ppo_coef`` = c_PPO (``memopd.ppo_coef``). Same
+    signature as verl's ``ppo_loss`` (plus the keywords). ``grad_norms``: also report each term's gradient
+    norm (:func:`term_grad_norms`) when the model output carries ``memopd_logits_stream``.
     """
     policy_loss, metrics = ppo_loss(config, model_output, data, dp_group)
     if opd_config.coef == 0 or _padding_only(data):
-        return policy_loss, metrics
+        return ppo_coef * policy_loss, metrics
     distill, opd_metrics = opd_loss(opd_config, model_output, data)
     metrics.update(opd_metrics)
-    return policy_loss + opd_config.coef * distill, metrics
+    if grad_norms and STUDENT_LOGITS_STREAM in model_output:
+        metrics.update(term_grad_norms(policy_loss, distill, model_output[STUDENT_LOGITS_STREAM]))
+    return ppo_coef * policy_loss + opd_config.coef * distill, metrics

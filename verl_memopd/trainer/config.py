@@ -119,6 +119,8 @@ class MemopdConfig:
         ``teacher.state=flat``, which flattens the teacher only.
     entropy_coef: alpha in ``L = L_PPO - alpha*H + lambda*L_OPD``; the recipe points verl's
         ``actor_rollout_ref.actor.entropy_coeff`` at it.
+    ppo_coef: weight of verl's PPO term ``L_PPO - alpha*H`` in the actor loss (1 = the method; 0 = on-policy
+        distillation alone, the critic still trained for matched runs).
     kl_penalty_coef: beta of the reward's clipped KL penalty ``r - beta*[l_old - l_ref]_+``
         (``verl_memopd.trainer.reward``); > 0 starts verl's reference model; 0 = no penalty, no reference.
     share_prefix_across_group: packed layout: rows of one micro-batch with the same prompt (verl's uid,
@@ -131,6 +133,7 @@ class MemopdConfig:
     share_prefix_across_group: bool = True
     entropy_coef: float = 0.0
     kl_penalty_coef: float = 0.001
+    ppo_coef: float = 1.0
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
@@ -157,9 +160,12 @@ class MemopdConfig:
         if self.distill.teacher_mask not in TEACHER_MASK_POLICIES:
             raise MemopdConfigError(f"memopd.distill.teacher_mask={self.distill.teacher_mask!r}: expected one of "
                                     f"{TEACHER_MASK_POLICIES}")
-        for name in ("entropy_coef", "kl_penalty_coef"):
+        for name in ("entropy_coef", "kl_penalty_coef", "ppo_coef"):
             if getattr(self, name) < 0:
                 raise MemopdConfigError(f"memopd.{name}={getattr(self, name)} must be >= 0")
+        if self.ppo_coef == 0 and self.distill.coef == 0:
+            raise MemopdConfigError("memopd.ppo_coef=0 and memopd.distill.coef=0: the actor loss would be empty "
+                                    "(nothing trains); keep one of them > 0")
         if self.audit.every_n_steps < 0:
             raise MemopdConfigError(f"memopd.audit.every_n_steps={self.audit.every_n_steps} must be >= 0 (0 = off)")
         if self.distill.coef < 0:

@@ -35,7 +35,7 @@ from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
 from verl_memopd.attention import PackedAttentionError, attention_implementation, require_packed_attention
-from verl_memopd.losses.actor import TEACHER_MASK, assign_global_teacher_counts
+from verl_memopd.losses.actor import STUDENT_LOGITS_STREAM, TEACHER_MASK, assign_global_teacher_counts
 from verl_memopd.platform.patches import patch_verl_valuehead_attention
 from verl_memopd.segments import SegmentMeta, padded_batch_segments, segment_meta
 from verl_memopd.supervision import encode_teacher_rows, get_transport
@@ -218,6 +218,7 @@ class MemopdLMEngine(_PackedRows, FSDPEngineWithLMHead):
         use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
         if getattr(logits_processor_func, "wants_student_logits", False):
             model_output[STUDENT_LOGITS] = _jagged_like(output.logits, micro_batch, use_rmpad)
+            model_output[STUDENT_LOGITS_STREAM] = output.logits  # the per-term gradient norms of audit steps
         if tu.get_non_tensor_data(data=micro_batch, key=RCE_FLAG, default=False):
             model_output.update(self._rce_spot_check(output.logits, micro_batch, use_rmpad))
         return model_output

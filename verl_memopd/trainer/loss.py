@@ -1,10 +1,11 @@
-"""The actor loss MemOPD installs on verl's actor: ``L_PPO - alpha*H + lambda*L_OPD``.
+"""The actor loss MemOPD installs on verl's actor: ``c_PPO*(L_PPO - alpha*H) + lambda*L_OPD``.
 
 A picklable callable (sent once to every actor worker with verl's ``set_loss_fn``) around
 :func:`verl_memopd.losses.actor.memopd_actor_loss`. It holds the frozen teacher output head,
 loaded lazily in the worker from the teacher's files, and asks the engine for the student's
 full-vocabulary logits (``wants_student_logits``). On audit steps it also reports how far the
-teacher's flat-layout distribution is from its aligned one (``verl_memopd.trainer.audit``).
+teacher's flat-layout distribution is from its aligned one (``verl_memopd.trainer.audit``), and
+the gradient norm of the PPO and of the OPD term apart (``memopd/grad_norm_logits/{ppo,opd}``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 
-from verl_memopd.losses.actor import TEACHER_HEAD, TEACHER_NUM_TOKENS, OPDLossConfig, memopd_actor_loss
+from verl_memopd.losses.actor import (STUDENT_LOGITS_STREAM, TEACHER_HEAD, TEACHER_NUM_TOKENS, OPDLossConfig,
+                                      memopd_actor_loss)
 from verl_memopd.supervision import TEACHER_HIDDEN
 from verl_memopd.trainer.audit import TEACHER_HIDDEN_ALIGNED, TEACHER_HIDDEN_FLAT, teacher_layout_kl
 from verl_memopd.trainer.teacher import load_output_head
@@ -25,9 +27,10 @@ from verl_memopd.trainer.teacher import load_output_head
 class MemopdActorLoss:
     """verl actor-loss hook: ``loss_fn(model_output=..., data=..., dp_group=...) -> (loss, metrics)``."""
 
-    def __init__(self, actor_config, opd_config: OPDLossConfig, teacher_path: Optional[str]):
+    def __init__(self, actor_config, opd_config: OPDLossConfig, teacher_path: Optional[str], ppo_coef: float = 1.0):
         self.actor_config = actor_config
         self.opd_config = opd_config
+        self.ppo_coef = ppo_coef
         self.teacher_path = teacher_path
         self.wants_student_logits = opd_config.coef > 0
         self._teacher_head: Optional[torch.Tensor] = None
@@ -42,10 +45,16 @@ class MemopdActorLoss:
         return self._teacher_head
 
     def __call__(self, model_output: dict, data, dp_group=None):
+        # consumed here, from the engine's own dict: verl concatenates every model-output key left after the loss
+        logits_stream = model_output.pop(STUDENT_LOGITS_STREAM, None)
+        audit_step = TEACHER_HIDDEN_FLAT in data.keys() or TEACHER_HIDDEN_ALIGNED in data.keys()
+        if audit_step and logits_stream is not None:
+            model_output = {**model_output, STUDENT_LOGITS_STREAM: logits_stream}
         if self.opd_config.coef > 0 and self.opd_config.transport == "hidden":
             model_output = {**model_output, TEACHER_HEAD: self.teacher_head(data["responses"].device)}
-        loss, metrics = memopd_actor_loss(self.actor_config, self.opd_config, model_output, data, dp_group=dp_group)
-        if TEACHER_HIDDEN_FLAT in data.keys() or TEACHER_HIDDEN_ALIGNED in data.keys():
+        loss, metrics = memopd_actor_loss(self.actor_config, self.opd_config, model_output, data, dp_group=dp_group,
+                                          ppo_coef=self.ppo_coef, grad_norms=audit_step)
+        if audit_step:
             metrics.update(self.teacher_layout_metric(data))
         return loss, metrics
 

@@ -123,7 +123,8 @@ class MemopdTrainer(PPOTrainerSync):
         opd = OPDLossConfig(vocab_size=self.vocab_size or 1, coef=distill.coef, divergence=distill.divergence,
                             transport=distill.transport, token_clamp=distill.token_clamp,
                             token_chunk_size=distill.token_chunk_size)
-        self.actor_rollout_wg.set_loss_fn(MemopdActorLoss(actor_config, opd, self.memopd.teacher.path))
+        self.actor_rollout_wg.set_loss_fn(MemopdActorLoss(actor_config, opd, self.memopd.teacher.path,
+                                                          ppo_coef=self.memopd.ppo_coef))
         if self._teacher_colocated:
             # the teacher lives in the actor's fused Ray actors (added to its pool's classes below);
             # spawn gives it its own worker group view with verl's method names
