@@ -17,6 +17,11 @@ The data flow is the package layout, one stage per module::
 
 Importing this package has no side effects; ``verl_memopd.plugin`` is what verl's
 ``verl.plugins`` entry point loads, and it only registers things.
+
+Every stage above ``trainer/`` (and ``rce``, ``tiny``, the benches) imports with torch and transformers
+alone: verl, Ray, vLLM, tensordict, Hydra and OmegaConf are needed only by the verl wiring --
+``trainer/``, ``platform/``, ``plugin``, the agent loop ``agent/loop.py`` and ``losses/actor.py`` (verl's
+PPO loss plus MemOPD's terms). ``tests/test_imports_without_verl.py`` holds every other module to that.
 """
 
 __version__ = "0.1.0"
