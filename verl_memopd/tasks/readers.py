@@ -9,7 +9,7 @@ skipped). Places: ``FILE line L`` (JSON lines: the file's own line number, 1-bas
 A file that is none of these raises :class:`InputError` with one line naming the file, what was
 wrong (for JSON that does not parse: the line and column) and the formats accepted. A JSON-lines
 file keeps a line that does not parse as its raw text (refused later as ``bad_record``) -- unless no
-line at all parses, which is one file error (a pretty-printed JSON cut off mid-file, a CSV).
+line at all is a JSON object, which is one file error (a pretty-printed JSON cut off mid-file, a CSV).
 """
 
 from __future__ import annotations
@@ -101,9 +101,9 @@ def _json_text(text: str, path: Path, name: str) -> list[Located]:
         raise InputError(f"{path}: a JSON array that does not parse: {_position(whole_error)}")
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     values = [(n, _json_line(line)) for n, line in lines]
-    if not any(parsed for _, (_, parsed) in values):
+    if not any(parsed and isinstance(value, dict) for _, (value, parsed) in values):
         raise InputError(f"{path}: does not parse as JSON ({_position(whole_error)}) nor as JSON lines (no line is "
-                         f"a JSON value); accepted: {ACCEPTED}")
+                         f"a JSON object); accepted: {ACCEPTED}")
     return [Located(value, f"{name} line {n}", file_stem(path), i) for i, (n, (value, _)) in enumerate(values)]
 
 
