@@ -1,21 +1,27 @@
-"""In-training audits of the layout (``memopd.audit``), run on every N-th step.
+"""In-training audits of the layout (``memopd.audit``), run on every N-th step: the trainer's wiring.
 
-RCE spot-check (actor, old-log-prob forward)
+The maths lives below the trainer, in ``verl_memopd.audit`` (no verl); this module moves the data.
+
+RCE check (actor, old-log-prob forward)
     Packed layout only. The method's Rollout Context Equivalence: at every action token, the
-    full-vocabulary logits of the packed forward must equal those of the call run alone,
-    ``[q, x_t, a_t]`` with positions 0..n-1. The alone pass must not share the code it audits: it
-    runs under the model's **stock** attention (``sdpa`` on CPU, transformers' own
-    ``flash_attention_2`` on CUDA when flash-attn is installed; :func:`stock_attention`), never a
-    ``memopd_*`` backend, on right-padded rows ``(S, L)`` built from the packed rows' tokens and
-    segment ids (:func:`alone_calls`), with positions 0..n-1 rather than the rows' restored ones.
-    All calls of a micro-batch go in one extra forward, so every data-parallel rank makes the same
-    number of forwards. Logits are formed only at the action tokens, ``chunk`` tokens at a time,
-    from the final hidden states the model hands its output head (:func:`alone_pass_diffs`), and
-    compared with the packed forward's logits read in place: no second (N, V) tensor exists.
-    Per row the engine returns each call's max abs logit difference (``memopd_rce_max_abs_diff``)
-    and its tolerance (``memopd_rce_tolerance``: the dtype's ``verl_memopd.rce.TOLERANCES`` bound),
-    both (B, n_calls*); the trainer reports ``memopd/audit/rce_*`` and, on a call above its
-    tolerance, raises :class:`RceAuditError` or warns (``memopd.audit.on_failure``).
+    full-vocabulary logits of the packed forward must equal those of the call run alone. The alone
+    pass is rebuilt from the **invocation records** the agent loop wrote (``extra_fields``'
+    ``memopd_episode``: each call's ``prompt_ids + response_ids``, positions 0..n-1), never from the
+    packed rows, so a packer fault that keeps the rows self-consistent (a segment boundary off by one,
+    a scrambled block) fails it. On an audit step the trainer copies each row's records into three
+    row fields (:func:`put_rce_records`, before the old-log-prob forward); the actor engine
+    (:func:`engine_rce_fields`) runs every call of the micro-batch alone under the model's **stock**
+    attention (sdpa; flash_attention_2 on CUDA), in one extra forward (a second one, upcast to fp32,
+    for bf16 / fp16 parameters), pairs the k-th recorded action token with the row's k-th
+    ``response_mask`` token (ids checked) and compares the logits in place, ``chunk`` tokens at a time.
+    Per row the engine returns each call's figures (``memopd_rce_max_abs_diff``: (n_calls, 5),
+    ``verl_memopd.audit.STAT_COLUMNS``) and bound (``memopd_rce_tolerance``: (n_calls,)); the rule is
+    ``verl_memopd.rce``'s (fp32: 1e-4; bf16 / fp16: the measured noise floor,
+    ``|l_packed - l_ref32| <= 3 |l_alone - l_ref32| + 4 ulps``). Under FSDP mixed precision the
+    parameters are sharded and cannot be upcast: the check then falls back to the relative bound
+    ``verl_memopd.audit.TOLERANCES`` and says so in a warning. The trainer reports
+    ``memopd/audit/rce_*`` and, on a call above its bound, raises :class:`RceAuditError` or warns
+    (``memopd.audit.on_failure``).
 
 Aligned-vs-flat teacher KL (teacher + actor loss)
     Packed layout only. The teacher scores the step's rows a second time under the flat layout (persistent history,
@@ -28,27 +34,43 @@ Aligned-vs-flat teacher KL (teacher + actor loss)
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from verl_memopd.attention import attention_implementation
-from verl_memopd.rce import TOLERANCES
+from verl_memopd.audit import (
+    STAT_COLUMNS,
+    CallRecord,
+    RceAuditError,
+    decode_records,
+    encode_records,
+    rce_spot_check,
+    records_of_episode,
+    stock_attention,
+    summarize,
+)
 from verl_memopd.trainer.config import AUDIT_ON_FAILURE
+
+__all__ = ["RCE_FLAG", "RCE_FIELD", "RCE_TOLERANCE_FIELD", "RECORD_FIELDS", "TEACHER_OUTPUT_KEY",
+           "TEACHER_HIDDEN_FLAT", "TEACHER_HIDDEN_ALIGNED", "RceAuditError", "record_fields", "put_rce_records",
+           "micro_batch_records", "engine_rce_fields", "rce_check", "rce_metrics", "stock_attention",
+           "teacher_layout_kl"]
 
 logger = logging.getLogger(__name__)
 
 
-#: non-tensor flag on the old-log-prob batch: run the RCE spot-check in the actor engine
+#: non-tensor flag on the old-log-prob batch: run the RCE check in the actor engine
 RCE_FLAG = "memopd_audit_rce"
-#: per-row output of the RCE spot-check: max |logit_packed - logit_alone| of each call, (n_calls,)
+#: per-row output of the RCE check: each call's figures, (n_calls, 5) float32 (``audit.STAT_COLUMNS``)
 RCE_FIELD = "memopd_rce_max_abs_diff"
-#: per-row output of the RCE spot-check: the dtype's tolerance for each call's difference, (n_calls,)
+#: per-row output of the RCE check: each call's bound on column 0 of ``RCE_FIELD``, (n_calls,)
 RCE_TOLERANCE_FIELD = "memopd_rce_tolerance"
+#: per-row inputs of the RCE check, written on audit steps: the row's recorded calls
+#: (``audit.encode_records``: ids (T,), action (T,), lengths (C,) int64)
+RECORD_FIELDS = {"ids": "memopd_rce_record_ids", "action": "memopd_rce_record_action",
+                 "lengths": "memopd_rce_record_lengths"}
 #: non-tensor option of a teacher batch: the TransferQueue field its hidden states go to
 TEACHER_OUTPUT_KEY = "memopd_teacher_output_key"
 TEACHER_HIDDEN_FLAT = "memopd_teacher_hidden_flat"
@@ -56,206 +78,106 @@ TEACHER_HIDDEN_FLAT = "memopd_teacher_hidden_flat"
 TEACHER_HIDDEN_ALIGNED = "memopd_teacher_hidden_aligned"
 
 
-class RceAuditError(RuntimeError):
-    """The in-training RCE spot-check found a call whose packed logits differ from the call run alone."""
+def record_fields(extra_fields: Sequence[dict], tags: Sequence[dict], keys: Sequence[str]) -> list[dict]:
+    """Per row, its recorded calls as :data:`RECORD_FIELDS` tensors, from the agent loop's ``extra_fields``
+    (``memopd_episode``: ``Episode.to_dict()``). verl's padding rows (tag ``is_padding``; they copy a real
+    row's ``extra_fields``) get no calls."""
+    from verl_memopd.agent.loop import EXTRA_EPISODE
+
+    rows = []
+    for extra, tag, key in zip(extra_fields, tags, keys):
+        calls: list[CallRecord] = []
+        if not tag.get("is_padding", False):
+            if not isinstance(extra, dict) or EXTRA_EPISODE not in extra:
+                raise RceAuditError(f"row {key}: no {EXTRA_EPISODE!r} in extra_fields; the RCE check rebuilds each "
+                                    f"call from the memory agent's invocation records")
+            try:
+                calls = records_of_episode(extra[EXTRA_EPISODE]["invocations"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise RceAuditError(f"row {key}: {EXTRA_EPISODE} has no usable invocation records: {e}") from e
+        rows.append({RECORD_FIELDS[k]: v for k, v in encode_records(calls).items()})
+    return rows
 
 
-@dataclass(frozen=True)
-class AloneCalls:
-    """Every call of a micro-batch's packed rows as its own sequence ``[q ; block_t]``, right-padded.
+def put_rce_records(batch) -> None:
+    """Write the step's :func:`record_fields` into TransferQueue (a KVBatchMeta ``batch``), for the
+    actor's old-log-prob forward to read."""
+    import transfer_queue as tq
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
-    Shapes: S calls, L = longest ``[q ; block_t]``, A action tokens (in row, call, token order).
-
-    Attributes:
-        input_ids: (S, L) int64 -- ``q`` then call t's block, padded with the row's first token.
-        position_ids: (S, L) int64 -- 0..L-1 on every row (real tokens at 0..n-1, padding after).
-        alone_index: (A,) int64 -- flat ``S * L`` index of the position predicting each action token.
-        row: (A,) int64 -- the packed row b of each action token.
-        packed_pos: (A,) int64 -- index in row b of the position predicting it in the packed forward.
-        call: (A,) int64 -- which of the S calls it belongs to.
-        calls: per call s, ``(b, t)``: row and call index t (segment ``t + 1``).
-    """
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    alone_index: torch.Tensor
-    row: torch.Tensor
-    packed_pos: torch.Tensor
-    call: torch.Tensor
-    calls: tuple[tuple[int, int], ...]
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields"])
+    rows = record_fields(data["extra_fields"], batch.tags, [str(k) for k in batch.keys])
+    tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=list_of_dict_to_tensordict(rows))
 
 
-def alone_calls(input_ids: Sequence[torch.Tensor], segment_ids: Sequence[torch.Tensor],
-                response_masks: Sequence[torch.Tensor]) -> AloneCalls:
-    """Lay out each packed row's calls alone. Per row b: ``input_ids`` / ``segment_ids`` (L_b,)
-    (0 = q, t+1 = call t) and verl's ``response_mask`` (R_b,), response token j at row index
-    ``P_b + j`` with ``P_b = L_b - R_b``. A row without call blocks (verl's padding rows) adds
-    nothing; a micro-batch without any call still gets one 1-token sequence (one forward per
-    micro-batch on every rank). The restored ``position_ids`` are not used: alone, a call sits at 0..n-1."""
-    seqs, alone, row_of, packed, call_of, calls = [], [], [], [], [], []
-    for b, (tok, seg, rmask) in enumerate(zip(input_ids, segment_ids, response_masks)):
-        p = tok.numel() - rmask.numel()
-        action = torch.zeros_like(seg, dtype=torch.bool)
-        action[p:] = rmask.bool()
-        for t in range(int(seg[p:].max()) if seg.numel() > p else 0):
-            block = torch.nonzero(seg == t + 1, as_tuple=True)[0]
-            if block.numel() == 0:
-                continue
-            s = len(seqs)
-            seqs.append(torch.cat([tok[:p], tok[block]]))
-            targets = torch.nonzero(action[block], as_tuple=True)[0]  # indices within the block
-            alone.append((s, p + targets - 1))
-            row_of.append(torch.full_like(targets, b))
-            packed.append(block[targets] - 1)
-            call_of.append(torch.full_like(targets, s))
-            calls.append((b, t))
-    device = input_ids[0].device
-    if not seqs:
-        seqs = [input_ids[0][:1]]
-    width = max(x.numel() for x in seqs)
-    ids = torch.stack([F.pad(x, (0, width - x.numel()), value=int(x[0])) for x in seqs])
-    alone_index = torch.cat([s * width + j for s, j in alone]) if alone else torch.zeros(0, dtype=torch.long)
-
-    def cat(parts: list) -> torch.Tensor:
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
-
-    return AloneCalls(ids, torch.arange(width, device=device).expand(len(seqs), width).contiguous(),
-                      alone_index.to(device), cat(row_of), cat(packed), cat(call_of), tuple(calls))
+def micro_batch_records(micro_batch) -> list[list[CallRecord]]:
+    """Per row of a verl micro-batch, its recorded calls (:data:`RECORD_FIELDS`, jagged)."""
+    missing = [f for f in RECORD_FIELDS.values() if f not in micro_batch.keys()]
+    if missing:
+        raise RceAuditError(f"RCE check: the micro-batch has no {missing}; the trainer writes them on audit steps "
+                            f"(verl_memopd.trainer.audit.put_rce_records) from the agent's invocation records")
+    ids, action, lengths = (micro_batch[RECORD_FIELDS[k]].unbind() for k in ("ids", "action", "lengths"))
+    return [decode_records(i, a, n) for i, a, n in zip(ids, action, lengths)]
 
 
-def stock_attention(device: torch.device) -> str:
-    """The reference attention of the alone pass: transformers' ``flash_attention_2`` on CUDA when
-    flash-attn is installed (the model's own flash path), else ``sdpa``."""
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
+def engine_rce_fields(module: torch.nn.Module, logits: torch.Tensor, micro_batch, use_rmpad: bool,
+                      chunk: int = 256) -> dict[str, torch.Tensor]:
+    """The RCE check of one actor micro-batch (``MemopdLMEngine``): packed ``logits`` (1, N, V) stream or
+    (B, L, V) padded, read in place; ``module`` the engine's model (FSDP-wrapped or not). Returns per row
+    each call's figures (B, n_calls*, 5) and bounds (B, n_calls*), jagged."""
+    ids = micro_batch["input_ids"].unbind()
+    lengths = micro_batch["input_ids"].offsets().diff().to(logits.device)
+    row_start = (torch.cumsum(lengths, 0) - lengths) if use_rmpad else \
+        torch.arange(lengths.numel(), device=logits.device) * logits.shape[1]
+    hf_model = getattr(module, "_fsdp_wrapped_module", module)  # FSDP1 wraps; FSDP2 does not
+    stats, bounds, problems = rce_spot_check(module, hf_model, logits.flatten(0, 1), row_start, ids,
+                                             micro_batch["response_mask"].unbind(), micro_batch_records(micro_batch),
+                                             chunk)
+    for problem in problems[:5]:
+        logger.warning("RCE check: %s", problem)
+    return {RCE_FIELD: torch.nested.as_nested_tensor(stats, layout=torch.jagged),
+            RCE_TOLERANCE_FIELD: torch.nested.as_nested_tensor(bounds, layout=torch.jagged)}
 
 
-def _compare_chunked(head: torch.nn.Module, hidden: torch.Tensor, packed_logits: torch.Tensor,
-                     packed_index: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per action token: max |l_packed - l_alone| and max |l_alone| over the vocabulary, (A,) float32.
-    ``hidden`` (A, H) alone final hidden states; ``packed_logits`` (M, V) read at ``packed_index`` (A,).
-    At most (chunk, V) logits of each side exist at once."""
-    diff, ref = [hidden.new_zeros(0, dtype=torch.float32)], [hidden.new_zeros(0, dtype=torch.float32)]
-    for i in range(0, hidden.shape[0], chunk):
-        alone = head.forward(hidden[i:i + chunk])  # .forward: no hooks (this runs inside one)
-        packed = packed_logits[packed_index[i:i + chunk]]  # (chunk, V) copy; index_select is ~10x slower on CPU
-        diff.append((packed.float() - alone.float()).abs().amax(-1))
-        ref.append(alone.float().abs().amax(-1))
-    return torch.cat(diff), torch.cat(ref)
-
-
-@torch.no_grad()
-def alone_pass_diffs(module: torch.nn.Module, hf_model: torch.nn.Module, packed_logits: torch.Tensor,
-                     packed_index: torch.Tensor, calls: AloneCalls, chunk: int = 256
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    """Run ``calls`` alone in one forward of ``module`` (the engine's model, FSDP-wrapped or not; ``hf_model``
-    the HF model inside it) under :func:`stock_attention`, and compare at the action tokens.
-
-    ``packed_logits``: (M, V) the packed forward's logits, rows flattened; ``packed_index``: (A,) the row of
-    each action token's prediction in it. The comparison runs in a pre-hook of the output head, where
-    the head's weights are gathered even under FSDP (FSDP2 unshards in its own pre-hook, registered first;
-    FSDP1 inside its forward, around the module hooked here); the head itself then projects nothing.
-    Returns per action token ``(max_abs_diff (A,), max_abs_alone_logit (A,))`` float32 and the logits' dtype.
-    """
-    head = hf_model.get_output_embeddings()
-    head = getattr(head, "_fsdp_wrapped_module", head)  # an FSDP1-wrapped head: hook the module inside (unsharded)
-    found: dict = {}
-
-    def compare(mod: torch.nn.Module, args: tuple) -> tuple:
-        hidden = args[0]  # (S, L, H): final normed hidden states of the alone rows
-        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, calls.alone_index.to(hidden.device))
-        found["dtype"] = mod.forward(hidden[:1, :1]).dtype
-        found["diff"], found["ref"] = _compare_chunked(mod, h, packed_logits, packed_index.to(hidden.device), chunk)
-        return (hidden[:, :0],) + tuple(args[1:])
-
-    handle = head.register_forward_pre_hook(compare)
-    device = packed_logits.device
-    try:
-        with attention_implementation(hf_model, stock_attention(device)):
-            module(input_ids=calls.input_ids.to(device), position_ids=calls.position_ids.to(device),
-                   attention_mask=None, use_cache=False)
-    finally:
-        handle.remove()
-    if "diff" not in found:
-        raise RceAuditError("RCE spot-check: the model never called its output head (fused kernels?); the audit "
-                            "needs the plain lm_head path (actor_rollout_ref.model.use_fused_kernels=false)")
-    return found["diff"], found["ref"], found["dtype"]
-
-
-def per_call(calls: AloneCalls, diff: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
-             n_rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per row b, each call's max abs difference and its tolerance (``TOLERANCES[dtype]`` bound on the
-    call's largest alone logit), both (n_calls_b,) float32 in call order (a call without action tokens: 0, atol)."""
-    if dtype not in TOLERANCES:
-        raise KeyError(f"RCE spot-check: no tolerance for logits of dtype {dtype}; known: "
-                       f"{', '.join(map(str, TOLERANCES))}")
-    tol = TOLERANCES[dtype]
-    s = len(calls.calls)
-    call = calls.call.to(diff.device)
-    call_diff = torch.zeros(s, device=diff.device).scatter_reduce(0, call, diff, "amax")
-    call_ref = torch.zeros(s, device=diff.device).scatter_reduce(0, call, ref, "amax")
-    bound = tol.atol + tol.rtol * call_ref
-    rows: list[list[int]] = [[] for _ in range(n_rows)]
-    for i, (b, _) in enumerate(calls.calls):
-        rows[b].append(i)
-    pick = [torch.tensor(ix, dtype=torch.long, device=diff.device) for ix in rows]
-    return [call_diff[ix].cpu() for ix in pick], [bound[ix].cpu() for ix in pick]
-
-
-def rce_spot_check(module: torch.nn.Module, hf_model: torch.nn.Module, packed_logits: torch.Tensor,
-                   row_start: torch.Tensor, input_ids: Sequence[torch.Tensor], segment_ids: Sequence[torch.Tensor],
-                   response_masks: Sequence[torch.Tensor], chunk: int = 256
-                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The in-training RCE spot-check of one micro-batch (what ``MemopdLMEngine`` runs on an audit step).
-
-    Args:
-        module / hf_model: the model as the engine calls it (FSDP-wrapped or not) and the HF model inside.
-        packed_logits: (M, V) the packed forward's logits with rows flattened (a view, not a copy).
-        row_start: (B,) int64 -- where row b starts in ``packed_logits``.
-        input_ids / segment_ids / response_masks: per row b, (L_b,), (L_b,), (R_b,) (see :func:`alone_calls`).
-
-    Returns per row b each call's max abs logit difference and its tolerance, (n_calls_b,) float32.
-    """
-    calls = alone_calls(input_ids, segment_ids, response_masks)
-    packed_index = row_start.to(packed_logits.device)[calls.row.to(packed_logits.device)] + \
-        calls.packed_pos.to(packed_logits.device)
-    diff, ref, dtype = alone_pass_diffs(module, hf_model, packed_logits, packed_index, calls, chunk)
-    return per_call(calls, diff, ref, dtype, len(input_ids))
-
-
-def rce_check(diffs: Sequence[torch.Tensor], tolerances: Sequence[torch.Tensor], row_names: Sequence[str],
+def rce_check(stats: Sequence[torch.Tensor], bounds: Sequence[torch.Tensor], row_names: Sequence[str],
               on_failure: str) -> dict[str, float]:
-    """The spot-check's verdict over a step: per row, each call's difference (n_calls,) against its tolerance.
+    """The check's verdict over a step: per row, each call's figures (n_calls, 5) against its bound (n_calls,).
     Returns ``memopd/audit/rce_failed_calls``, ``rce_pass`` (1.0 / 0.0) and ``rce_max_diff_over_tolerance``
     (how close the worst call came to failing; > 1 fails); on a failure raises
     :class:`RceAuditError` (``on_failure="raise"``) or logs a warning (``"warn"``), naming the worst calls."""
     if on_failure not in AUDIT_ON_FAILURE:
         raise ValueError(f"on_failure={on_failure!r}: expected one of {AUDIT_ON_FAILURE}")
-    failures = [(float(d[t]), float(tol[t]), name, t) for d, tol, name in zip(diffs, tolerances, row_names)
+    audited = [s.reshape(-1, len(STAT_COLUMNS))[:, 0] for s in stats]
+    failures = [(float(d[t]), float(tol[t]), name, t) for d, tol, name in zip(audited, bounds, row_names)
                 for t in range(d.numel()) if d[t] > tol[t] or not torch.isfinite(d[t])]
     if failures:
         failures.sort(key=lambda f: -f[0] / max(f[1], 1e-30))
-        worst = "; ".join(f"row {name} call {t}: max |logit_packed - logit_alone| = {d:.3e} > tolerance {tol:.3e}"
+        worst = "; ".join(f"row {name} call {t}: difference {d:.3e} > bound {tol:.3e}"
                           for d, tol, name, t in failures[:5])
-        message = (f"RCE spot-check failed on {len(failures)} call(s) (packed forward vs each call run alone under "
-                   f"stock attention, at action tokens): {worst}")
+        message = (f"RCE check failed on {len(failures)} call(s) (packed forward vs each call run alone from its "
+                   f"invocation record under stock attention, at action tokens; inf = the packed row's action "
+                   f"tokens do not match the record): {worst}")
         if on_failure == "raise":
             raise RceAuditError(message + " (memopd.audit.on_failure=warn to log and continue)")
         logger.warning(message)
-    ratio = max((float(d[t] / tol[t]) for d, tol in zip(diffs, tolerances) for t in range(d.numel())), default=0.0)
+    summary = summarize(stats, bounds)
     return {"memopd/audit/rce_failed_calls": float(len(failures)), "memopd/audit/rce_pass": float(not failures),
-            "memopd/audit/rce_max_diff_over_tolerance": ratio}
+            "memopd/audit/rce_max_diff_over_tolerance": summary.worst_ratio if summary.calls else 0.0}
 
 
-def rce_metrics(per_row: list[torch.Tensor]) -> dict[str, float]:
-    """``memopd/audit/rce_*`` from the per-row, per-call max abs differences."""
-    diffs = torch.cat([d.reshape(-1).float() for d in per_row])
-    if diffs.numel() == 0:
+def rce_metrics(stats: Sequence[torch.Tensor]) -> dict[str, float]:
+    """``memopd/audit/rce_*`` from the per-row, per-call figures (n_calls, 5): packed-vs-alone max / mean
+    difference, calls checked, the largest KL(p_alone || p_packed), the lowest top-1 agreement and (bf16 /
+    fp16 with an fp32 reference) the largest noise floor ``max |l_alone - l_ref32|``."""
+    s = torch.cat([x.reshape(-1, len(STAT_COLUMNS)).float() for x in stats]) if stats else torch.zeros(0, 5)
+    if s.shape[0] == 0:
         return {}
-    return {"memopd/audit/rce_max_abs_diff": float(diffs.max()),
-            "memopd/audit/rce_mean_abs_diff": float(diffs.mean()),
-            "memopd/audit/rce_calls_checked": float(diffs.numel())}
+    out = {"memopd/audit/rce_max_abs_diff": float(s[:, 1].max()), "memopd/audit/rce_mean_abs_diff": float(s[:, 1].mean()),
+           "memopd/audit/rce_calls_checked": float(s.shape[0]), "memopd/audit/rce_max_kl": float(s[:, 3].max()),
+           "memopd/audit/rce_min_top1_agreement": float(s[:, 4].min())}
+    if not torch.isnan(s[:, 2]).all():
+        out["memopd/audit/rce_noise_floor"] = float(torch.nan_to_num(s[:, 2], nan=0.0).max())
+    return out
 
 
 @torch.no_grad()

@@ -39,13 +39,7 @@ from verl_memopd.losses.actor import STUDENT_LOGITS_STREAM, TEACHER_MASK, assign
 from verl_memopd.platform.patches import patch_verl_valuehead_attention
 from verl_memopd.segments import SegmentMeta, padded_batch_segments, segment_meta
 from verl_memopd.supervision import encode_teacher_rows, get_transport
-from verl_memopd.trainer.audit import (
-    RCE_FIELD,
-    RCE_FLAG,
-    RCE_TOLERANCE_FIELD,
-    TEACHER_OUTPUT_KEY,
-    rce_spot_check,
-)
+from verl_memopd.trainer.audit import RCE_FLAG, TEACHER_OUTPUT_KEY, engine_rce_fields
 from verl_memopd.trainer.calls import CALLS_ALONE, calls_alone
 from verl_memopd.trainer.groups import PROMPT_GROUP, share_prefix
 from verl_memopd.trainer.rows import SEGMENT_IDS
@@ -232,19 +226,11 @@ class MemopdLMEngine(_PackedRows, FSDPEngineWithLMHead):
             return super().save_checkpoint(*args, **kwargs)
 
     def _rce_spot_check(self, logits, micro_batch, use_rmpad: bool) -> dict:
-        """Audit (``verl_memopd.trainer.audit``): every call of the micro-batch run alone under the model's
-        stock attention in one extra forward, compared at the action tokens with the packed ``logits``
-        ((1, N, V) stream or (B, L, V) padded, read in place). Returns per row each call's max abs logit
-        difference and its tolerance, both (B, n_calls*)."""
-        ids, _, seg = _rows(micro_batch)
-        lengths = micro_batch["input_ids"].offsets().diff().to(logits.device)
-        row_start = (torch.cumsum(lengths, 0) - lengths) if use_rmpad else \
-            torch.arange(lengths.numel(), device=logits.device) * logits.shape[1]
-        hf_model = getattr(self.module, "_fsdp_wrapped_module", self.module)  # FSDP1 wraps; FSDP2 does not
-        diffs, tolerances = rce_spot_check(self.module, hf_model, logits.flatten(0, 1), row_start, ids, seg,
-                                           micro_batch["response_mask"].unbind())
-        return {RCE_FIELD: torch.nested.as_nested_tensor(diffs, layout=torch.jagged),
-                RCE_TOLERANCE_FIELD: torch.nested.as_nested_tensor(tolerances, layout=torch.jagged)}
+        """Audit (``verl_memopd.trainer.audit.engine_rce_fields``): every call of the micro-batch rebuilt from
+        its invocation record and run alone under the model's stock attention, compared at the action tokens
+        with the packed ``logits`` ((1, N, V) stream or (B, L, V) padded, read in place). Returns per row
+        each call's figures (B, n_calls*, 5) and bound (B, n_calls*)."""
+        return engine_rce_fields(self.module, logits, micro_batch, use_rmpad)
 
 
 @EngineRegistry.register(model_type="memopd_value_model", backend=_BACKENDS, device=_DEVICES)

@@ -37,6 +37,7 @@ from verl_memopd.trainer.audit import (
     RCE_FLAG,
     RCE_TOLERANCE_FIELD,
     TEACHER_OUTPUT_KEY,
+    put_rce_records,
     rce_check,
     rce_metrics,
 )
@@ -171,6 +172,7 @@ class MemopdTrainer(PPOTrainerSync):
         audit = self.memopd.audits_at(self.global_steps)
         rce = audit and self.memopd.audit.rce
         if rce:
+            put_rce_records(batch)  # each row's invocation records: the alone pass is built from them
             batch.extra_info[RCE_FLAG] = True  # the actor engine re-runs every call alone (audit.py)
         meta = batch
         batch = super()._compute_old_log_prob(batch, metrics)
