@@ -11,6 +11,11 @@ installed, as they would on an image without it.
 The verl wiring, which needs verl at import and is not checked here (``VERL_WIRED``): ``trainer/``,
 ``platform/``, ``plugin.py``, the agent loop ``agent/loop.py`` and ``losses/actor.py`` (verl's PPO loss
 with MemOPD's terms). Every other module, present or future, must import without them.
+
+Layering, read from the source (function-level imports included, which an import alone never runs): the
+stages of the flow and the audit maths (``rce``, ``audit``) import nothing of the verl wiring or of the
+blocked packages, so the trainer wires them in and never the other way round (``rce`` -> ``trainer.audit``
+-> ``rce`` was an import circle).
 """
 
 from __future__ import annotations
@@ -48,6 +53,15 @@ STAGES = (
     "verl_memopd.rce", "verl_memopd.tiny", "verl_memopd.bench", "verl_memopd.bench.kl",
     "verl_memopd.bench.packing", "verl_memopd.bench.transport",
 )
+
+#: the audit maths, below the trainer that wires it in
+AUDIT = ("verl_memopd.rce", "verl_memopd.audit")
+
+#: (stage module, what it imports from the verl wiring) -> why that is allowed
+LAYERING_EXCEPTIONS = {
+    ("verl_memopd.bench.packing", "verl_memopd.trainer.groups"):
+        "the bench times the group-shared prefix, which lives next to the engines that apply it (torch only)",
+}
 
 _PROBE = r'''
 import importlib, json, sys
@@ -163,3 +177,26 @@ def test_the_probe_names_the_module_that_pulls_verl_in():
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert results["verl_memopd.agent.loop"].startswith("ImportError: verl_memopd.agent.loop imports omegaconf")
     assert results["verl_memopd.plugin"].startswith("ImportError: verl_memopd.plugin imports verl")
+
+
+def _imports(module: str) -> list[tuple[int, str]]:
+    """Every absolute import in ``module``'s source, at any depth: (line, imported module)."""
+    import ast
+
+    path = PACKAGE.parent / (module.replace(".", "/") + ".py")
+    if not path.exists():
+        path = PACKAGE.parent / module.replace(".", "/") / "__init__.py"
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+    return found
+
+
+@pytest.mark.parametrize("module", STAGES + AUDIT)
+def test_stages_and_audit_import_nothing_of_the_verl_wiring(module):
+    bad = [f"line {line}: {name}" for line, name in _imports(module)
+           if (_wired(name) or name.partition(".")[0] in BLOCKED) and (module, name) not in LAYERING_EXCEPTIONS]
+    assert not bad, f"{module} reaches into the verl wiring (even inside a function): {bad}"
