@@ -1,0 +1,48 @@
+"""The documentation a user reads is self-contained: the README keeps CI's test command, its links and the
+docs' links resolve inside the repository, and no tracked file points outside it (``../shared`` etc.)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+DOCS = [README, *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "results").glob("*/README.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _tracked_text_files() -> list[Path]:
+    done = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True)
+    paths = [REPO / p for p in done.stdout.decode().split("\0") if p]
+    return [p for p in paths if p.is_file() and p.suffix in {".md", ".py", ".sh", ".yaml", ".yml", ".txt", ".toml",
+                                                              ".cfg", ".json", ""}]
+
+
+def test_readme_keeps_the_test_command_ci_reads():
+    lines = README.read_text().splitlines()
+    at = lines.index("<!-- test-command -->")
+    assert lines[at + 1] == "```bash" and "python -m pytest tests" in lines[at + 2]
+    assert "bash recipes/quickstart_cpu.sh" in README.read_text(), "the main job's command"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_resolve_inside_the_repository(doc):
+    broken = []
+    for target in LINK.findall(doc.read_text()):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue  # a URL or an anchor
+        path = (doc.parent / target.split("#")[0]).resolve()
+        if REPO not in path.parents and path != REPO or not path.exists():
+            broken.append(target)
+    assert not broken, f"{doc.name}: links that leave the repository or lead nowhere: {broken}"
+
+
+def test_no_tracked_file_points_outside_the_repository():
+    outside = re.compile(r"\.\./shared|/work/(shared|wt)/")
+    hits = [f"{p.relative_to(REPO)}:{n}" for p in _tracked_text_files()
+            for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if outside.search(line)]
+    assert not hits, hits
