@@ -36,25 +36,139 @@ def test_exits_with_distinct_status_and_says_why_without_cuda():
 
 
 @pytest.mark.parametrize("driver_cuda, torch_cuda, verdict", [
-    ("12.8", "13.0", OLD_DRIVER_STATUS), ("13.0", "13.0", None), ("13.1", "13.0", None), ("13.0", "12.8", None),
+    ("12.8", "13.0", OLD_DRIVER_STATUS), ("13.0", "13.0", NO_CUDA_STATUS), ("13.1", "13.0", NO_CUDA_STATUS),
     (None, "13.0", NO_CUDA_STATUS), ("13.0", None, NO_CUDA_STATUS),
 ])
-def test_driver_verdict(driver_cuda, torch_cuda, verdict, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    v = CudaVersions("2.11.0", torch_cuda, driver_cuda, "570.124.06")
+def test_driver_verdict_where_torch_sees_no_device(driver_cuda, torch_cuda, verdict, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    v = CudaVersions("2.11.0", torch_cuda, driver_cuda, "570.124.06", "libcuda")
     stop = _no_cuda_reason(v)
-    assert (stop[0] if stop else None) == verdict, stop
-    assert driver_check(v)["passed"] == (verdict is None)
+    assert stop is not None and stop[0] == verdict, stop
+    covered = driver_cuda is not None and torch_cuda is not None and driver_cuda >= torch_cuda
+    assert driver_check(v)["passed"] == covered
     if verdict == OLD_DRIVER_STATUS:
         assert "570.124.06" in stop[1] and "CUDA 12.8" in stop[1] and "580.65.06" in stop[1]
 
 
+@pytest.mark.parametrize("driver_cuda", ["13.0", "12.8", None])
+def test_never_refuses_while_torch_sees_a_device(driver_cuda, monkeypatch):
+    """torch 2.11 lost the private driver API: an unread (or old-looking) driver version must not stop the
+    checks when torch itself runs CUDA; the driver line says what was read and passes."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    v = CudaVersions("2.11.0", "13.0", driver_cuda, "580.159.04", "libcuda" if driver_cuda else "libcuda: not loadable")
+    assert _no_cuda_reason(v) is None
+    line = gpucheck._line("driver", driver_check(v), gpucheck.KEYS["driver"])
+    assert line.endswith(" PASS") and f"driver_cuda={driver_cuda or 'unknown'}" in line
+    if driver_cuda is None:
+        assert "source=unread(libcuda: not loadable)" in line
+
+
+def test_a_cpu_build_of_torch_is_no_cuda_even_if_a_device_were_seen(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    stop = _no_cuda_reason(CudaVersions("2.11.0", None, None, None, "CPU build of torch"))
+    assert stop[0] == NO_CUDA_STATUS and "CPU build of torch" in stop[1]
+
+
 def test_old_driver_stops_before_any_check_with_status_4(monkeypatch, capsys):
-    monkeypatch.setattr(gpucheck, "cuda_versions", lambda: CudaVersions("2.11.0", "13.0", "12.4", "550.54.15"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(gpucheck, "cuda_versions",
+                        lambda: CudaVersions("2.11.0", "13.0", "12.4", "550.54.15", "nvidia-smi"))
     assert gpucheck.main([]) == OLD_DRIVER_STATUS == 4
     out, err = capsys.readouterr()
-    assert out.splitlines() == ["gpucheck driver nvidia=550.54.15 driver_cuda=12.4 torch=2.11.0 torch_cuda=13.0 FAIL"]
+    assert out.splitlines() == [
+        "gpucheck driver nvidia=550.54.15 driver_cuda=12.4 source=nvidia-smi torch=2.11.0 torch_cuda=13.0 FAIL"]
     assert "supports CUDA 12.4" in err and "driver for CUDA 13" in err and "Exit status 4" in err
+
+
+# --- reading the driver's CUDA version: each source, and each failing (mocked) -------------------------
+class _FakeLibcuda:
+    def __init__(self, code: int, status: int = 0):
+        self.code, self.status = code, status
+
+    def cuDriverGetVersion(self, ref):  # noqa: N802 (the C name)
+        ref._obj.value = self.code
+        return self.status
+
+
+def _smi(stdout: str, rc: int = 0):
+    return lambda *a, **k: subprocess.CompletedProcess(a[0], rc, stdout=stdout, stderr="")
+
+
+def test_libcuda_reads_the_version(monkeypatch):
+    monkeypatch.setattr(gpucheck.ctypes, "CDLL", lambda name: _FakeLibcuda(13000))
+    assert gpucheck.driver_cuda_from_libcuda() == "13.0"
+    monkeypatch.setattr(gpucheck.ctypes, "CDLL", lambda name: _FakeLibcuda(12080))
+    assert gpucheck.driver_cuda_from_libcuda() == "12.8"
+
+
+@pytest.mark.parametrize("how, message", [("missing", "libcuda.so.1 not loadable"),
+                                          ("error", "cuDriverGetVersion returned CUDA error 999")])
+def test_libcuda_failing_is_a_lookup_error_with_why(how, message, monkeypatch):
+    def cdll(name):
+        if how == "missing":
+            raise OSError("libcuda.so.1: cannot open shared object file")
+        return _FakeLibcuda(0, status=999)
+
+    monkeypatch.setattr(gpucheck.ctypes, "CDLL", cdll)
+    with pytest.raises(LookupError, match=message):
+        gpucheck.driver_cuda_from_libcuda()
+
+
+def test_nvidia_smi_header_is_read_and_its_failures_named(monkeypatch):
+    header = "| NVIDIA-SMI 580.159.04   Driver Version: 580.159.04   CUDA Version: 13.0     |\n"
+    monkeypatch.setattr(gpucheck.subprocess, "run", _smi(header))
+    assert gpucheck.driver_cuda_from_nvidia_smi() == "13.0"
+    monkeypatch.setattr(gpucheck.subprocess, "run", _smi("NVIDIA-SMI has failed", rc=9))
+    with pytest.raises(LookupError, match="nvidia-smi exit 9"):
+        gpucheck.driver_cuda_from_nvidia_smi()
+
+    def absent(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(gpucheck.subprocess, "run", absent)
+    with pytest.raises(LookupError, match="nvidia-smi did not run"):
+        gpucheck.driver_cuda_from_nvidia_smi()
+
+
+def test_torch_without_its_private_driver_api(monkeypatch):
+    """torch 2.11 has no torch._C._cuda_getDriverVersion (what made gpucheck exit 3 on an H200)."""
+    monkeypatch.delattr(torch._C, "_cuda_getDriverVersion", raising=False)
+    with pytest.raises(LookupError, match="torch has no private driver API"):
+        gpucheck.driver_cuda_from_torch()
+    monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: 12040, raising=False)
+    assert gpucheck.driver_cuda_from_torch() == "12.4"
+
+    def broken():
+        raise RuntimeError("CUDA driver error: unknown\nmore")
+
+    monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", broken, raising=False)
+    with pytest.raises(LookupError, match="_cuda_getDriverVersion failed .CUDA driver error: unknown."):
+        gpucheck.driver_cuda_from_torch()
+
+
+def test_first_source_that_answers_wins_and_all_failing_says_why(monkeypatch):
+    def fails(why):
+        def read():
+            raise LookupError(why)
+        return read
+
+    monkeypatch.setattr(gpucheck, "DRIVER_CUDA_SOURCES", (("libcuda", fails("not loadable")),
+                                                          ("nvidia-smi", lambda: "13.0"), ("torch", fails("x"))))
+    assert gpucheck.read_driver_cuda() == ("13.0", "nvidia-smi")
+    monkeypatch.setattr(gpucheck, "DRIVER_CUDA_SOURCES", (("libcuda", lambda: None), ("nvidia-smi", fails("exit 9")),
+                                                          ("torch", fails("torch has no private driver API"))))
+    version, why = gpucheck.read_driver_cuda()
+    assert version is None
+    assert why == "libcuda: reports no driver (version 0); nvidia-smi: exit 9; torch: torch has no private driver API"
+
+
+def test_unread_driver_and_no_device_is_status_3_naming_every_source(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(gpucheck, "read_driver_cuda", lambda: (None, "libcuda: not loadable; nvidia-smi: did not run"))
+    assert gpucheck.main([]) == NO_CUDA_STATUS
+    err = capsys.readouterr().err
+    assert "no NVIDIA driver found (libcuda: not loadable; nvidia-smi: did not run)" in err
 
 
 def test_unknown_check_name_is_refused():
@@ -100,9 +214,10 @@ def test_train_command_is_the_gpu_recipe_path_and_composes(tiny_models, tmp_path
     assert cmd[:3] == [sys.executable, "-m", "verl.trainer.main_ppo"] and "+profile=cpu" not in cmd
     cfg = _compose(cmd)
     memopd = from_config(cfg)  # the recipe's own validation
-    assert memopd.teacher.placement == "colocate" and memopd.teacher.attn_implementation == "memopd_fa2"
-    assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "memopd_fa2"
-    assert cfg.critic.model.override_config.attn_implementation == "memopd_fa2"
+    assert memopd.teacher.placement == "colocate" and memopd.teacher.attn_implementation == "memopd_torch_varlen"
+    assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "memopd_torch_varlen"
+    assert cfg.critic.model.override_config.attn_implementation == "memopd_torch_varlen"
+    assert not any("fa2" in arg or "flash" in arg for arg in cmd)  # flash-attn is optional
     assert cfg.actor_rollout_ref.actor.strategy == cfg.actor_rollout_ref.ref.strategy == cfg.critic.strategy == "fsdp"
     assert cfg.actor_rollout_ref.model.use_remove_padding and cfg.critic.model.use_remove_padding
     assert cfg.actor_rollout_ref.rollout.name == "vllm" and cfg.trainer.device == "cuda"
@@ -154,21 +269,42 @@ def test_train_run_is_killed_at_its_timeout(tmp_path, monkeypatch):
         assert __import__("time").monotonic() < deadline, "the run's child process outlived the timeout"
 
 
+def test_absent_packages_are_skips_with_their_reason_not_failures(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpucheck, "missing_packages", lambda *names: list(names))  # nothing optional installed
+    out = io.StringIO()
+    passed, failed, skipped = run_checks([
+        ("attention", lambda: attention_check("flash_attn", episodes=1, device="cpu", shape=SMALL)),
+        ("rce", lambda: gpucheck.rce_check(tmp_path, "flash_attn")),
+        ("packing", lambda: packing_check("flash_attn", device="cpu", shape=SMALL)),
+        ("train", lambda: train_check(tmp_path, timeout_s=5)),
+        ("driver", lambda: {"nvidia": "580.1", "driver_cuda": "13.0", "source": "libcuda", "torch": "2.11.0",
+                            "torch_cuda": "13.0", "passed": True}),
+    ], out=out)
+    lines = out.getvalue().splitlines()
+    assert (passed, failed, skipped) == (1, 0, 4)
+    assert lines[0].startswith("gpucheck attention backend=flash_attn reason=flash-attn is not installed (optional")
+    assert all(line.endswith(" SKIP") for line in lines[:4]) and "torch_varlen" in lines[0]
+    assert lines[3] == ("gpucheck train reason=needs verl, vllm, ray (not installed; docker/Dockerfile or bash "
+                        "docker/install.sh gpu) SKIP")
+    assert summary_line(passed, failed, 3.0, skipped) == \
+        "gpucheck summary checks=5 passed=1 failed=0 skipped=4 wall_s=3 PASS"
+
+
 def test_a_check_that_raises_is_one_fail_line_and_the_rest_still_run():
     out = io.StringIO()
 
     def broken():
         raise RuntimeError("CUDA error: no kernel image is available\nmore")
 
-    passed, failed = run_checks([("driver", lambda: {"nvidia": "580.1", "driver_cuda": "13.0", "torch": "2.11.0",
-                                                     "torch_cuda": "13.0", "passed": True}),
-                                 ("attention", broken),
-                                 ("kl", lambda: {"vocab": 8, "tokens": 2, "peak_mem_ratio": 3.0, "time_ratio": 1.0,
-                                                 "max_abs_err": 0.0, "naive_peak_gib": 1.0, "chunked_peak_gib": 0.3,
-                                                 "passed": False})], out=out)
+    kl = dict(vocab=8, tokens=2, chunk=2, peak_mem_ratio=3.0, time_ratio=1.0, ms=1.0, naive_ms=1.0, grad_err=0.0,
+              grad_tolerance=0.0, loss_err=0.0, loss_tolerance=0.0, naive_peak_gib=1.0, chunked_peak_gib=0.3, passed=False)
+    passed, failed, skipped = run_checks([("driver", lambda: {"nvidia": "580.1", "driver_cuda": "13.0", "source": "libcuda",
+                                                              "torch": "2.11.0", "torch_cuda": "13.0", "passed": True}),
+                                          ("attention", broken),
+                                          ("kl", lambda: kl)], out=out)
     lines = out.getvalue().splitlines()
-    assert (passed, failed) == (1, 2) and len(lines) == 3
+    assert (passed, failed, skipped) == (1, 2, 0) and len(lines) == 3
     assert lines[1] == "gpucheck attention error=RuntimeError: CUDA error: no kernel image is available FAIL"
     assert lines[2].startswith("gpucheck kl vocab=8 ") and lines[2].endswith(" FAIL")
-    assert summary_line(passed, failed, 61.2) == "gpucheck summary checks=3 passed=1 failed=2 wall_s=61 FAIL"
-    assert summary_line(8, 0, 300).endswith("failed=0 wall_s=300 PASS")
+    assert summary_line(passed, failed, 61.2) == "gpucheck summary checks=3 passed=1 failed=2 skipped=0 wall_s=61 FAIL"
+    assert summary_line(8, 0, 300).endswith("failed=0 skipped=0 wall_s=300 PASS")

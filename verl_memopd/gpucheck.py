@@ -1,24 +1,31 @@
 """``python -m verl_memopd.gpucheck``: the one script to run first on a GPU machine (<= 10 min on one GPU).
 
-It checks what the CPU tests cannot, prints one line per check (``PASS``/``FAIL`` last) and a summary
-line; exit status 0 when all pass, 1 otherwise, ``NO_CUDA_STATUS`` (3) with the reason on a machine
-without CUDA, ``OLD_DRIVER_STATUS`` (4) when the NVIDIA driver cannot run torch's CUDA build::
+It checks what the CPU tests cannot and prints one line per check (``PASS``/``FAIL``/``SKIP`` last) and
+a summary line; exit status 0 when none fails (skips do not fail), 1 otherwise, ``NO_CUDA_STATUS`` (3)
+with the reason on a machine without CUDA, ``OLD_DRIVER_STATUS`` (4) when the NVIDIA driver cannot run
+torch's CUDA build. A check whose optional package is absent (flash-attn; verl, vLLM and Ray for
+``train``) prints ``SKIP`` with the reason, so an image with torch and transformers only runs every
+other check and exits 0 when they pass::
 
-    gpucheck driver nvidia=<580.x> driver_cuda=<13.0> torch=<2.11.0> torch_cuda=<13.0> gpu=<name> PASS
-    gpucheck attention backend=flash_attn tokens=<N> fwd_err=<e> fwd_budget=<b> bwd_err=<e> bwd_budget=<b> PASS
-    gpucheck attention backend=torch_varlen ... PASS
-    gpucheck rce model=student dtype=bfloat16 backend=flash_attn tokens=<A> max_abs_diff=<d> tolerance=<t> ... PASS
+    gpucheck driver nvidia=<580.x> driver_cuda=<13.0> source=<libcuda> torch=<2.11.0> torch_cuda=<13.0> PASS
+    gpucheck attention backend=flash_attn ... SKIP reason=flash-attn is not installed (optional: ...)
+    gpucheck attention backend=torch_varlen tokens=<N> fwd_err=<e> fwd_budget=<b> bwd_err=<e> bwd_budget=<b> PASS
+    gpucheck rce model=student dtype=bfloat16 backend=torch_varlen tokens=<A> max_abs_diff=<d> tolerance=<t> ... PASS
     gpucheck rce model=teacher ... PASS
     gpucheck packing speedup_vs_per_call=<x> ideal=<y> efficiency=<x/y> PASS
-    gpucheck kl vocab=<V> tokens=<N> peak_mem_ratio=<naive/chunked> time_ratio=<chunked/naive> max_abs_err=<e> PASS
-    gpucheck train steps=2 wall_s=<s> step_s=<s> reverse_kl=<k> rollout_probs_diff_max=<p> rce_max_abs_diff=<d> PASS
-    gpucheck summary checks=8 passed=8 failed=0 wall_s=<s> PASS
+    gpucheck kl vocab=<V> tokens=<N> peak_mem_ratio=<naive fp32/ours bf16> time_ratio=<ours/naive> grad_err=<e> ... PASS
+    gpucheck train ... SKIP reason=needs verl, vllm, ray (not installed)
+    gpucheck summary checks=9 passed=6 failed=0 skipped=3 wall_s=<s> PASS
 
 driver
     torch 2.11.0 and vLLM 0.24.0 wheels are CUDA 13.0 builds: the driver must support CUDA 13 (Linux
     driver >= 580.65.06, the R580 branch, or an older data-center driver with the CUDA 13 forward-compatibility
-    package). Checked first, from ``cudaDriverGetVersion`` (``torch._C._cuda_getDriverVersion``), before
-    anything asks for a device; too old -> exit 4 with what to install.
+    package). Checked first, before anything asks for a device. The driver's CUDA version is read from the
+    first source that answers (``DRIVER_CUDA_SOURCES``): ``cuDriverGetVersion`` of ``libcuda.so.1`` through
+    ctypes, ``nvidia-smi``'s "CUDA Version" header, torch's private ``_cuda_getDriverVersion`` (gone in
+    torch 2.11); when none answers the line says so (``driver_cuda=unknown``) and the checks go on. Whenever
+    ``torch.cuda.is_available()`` the checks run (torch itself has then initialised the driver); otherwise
+    an unreadable driver is exit 3 and a too old one exit 4, with what to install.
 attention
     The packed layout of random episodes (``bench.packing.SHAPE``), Qwen2.5-3B's head shape
     (16 query heads, 2 KV heads, head_dim 128), run by each CUDA backend (``flash_attn``, ``torch_varlen``)
@@ -37,14 +44,18 @@ packing
     with Qwen2.5-3B's layer shape and vocabulary, bf16: ``packed`` (``backend``) vs the faster of
     ``per_call`` padded (sdpa) and ``per_call_varlen`` (``backend``). PASS: packed is not slower.
 kl
-    Full-vocabulary reverse KL (the ``hidden`` transport) forward + backward, chunked
-    (``losses.divergence_loss``) vs naive (``losses.naive_divergence``), fp32. Peak memory =
-    ``torch.cuda.max_memory_allocated`` during the step minus the allocation before it. PASS:
-    chunked needs at least ``KL_MIN_MEMORY_RATIO`` times less and agrees with naive.
+    Full-vocabulary reverse KL (the ``hidden`` transport) forward + backward at the 1-node recipe's
+    shapes (student H 2048, teacher H 3584, V 151,936, 4096 positions): ours (``losses.divergence_loss``,
+    bf16 inputs, ``CUDA_TOKEN_CHUNK`` rows per chunk) vs naive fp32 (``losses.naive_divergence``), and
+    plain PyTorch in bf16 for the tolerance (``bench.kl``'s CUDA variants). Peak memory =
+    ``torch.cuda.max_memory_allocated`` during the step minus the allocation before it. PASS: ours needs
+    at least ``KL_MIN_MEMORY_RATIO`` times less than naive fp32 and its loss and gradients are within
+    ``KL_TOLERANCE_FACTOR`` times plain bf16 PyTorch's error of naive fp32.
 train
     ``python -m verl.trainer.main_ppo +recipe=memopd`` for ``TRAIN_STEPS`` steps on the tiny models and
     the ``tiny`` task preset, as a subprocess bounded by ``--train-timeout``: vLLM CUDA rollout, FSDP1,
-    remove-padding, ``memopd_fa2`` for actor, critic and teacher, the teacher colocated on the one GPU,
+    remove-padding, ``memopd_torch_varlen`` (``memopd_fa2`` with ``--backend flash_attn``) for actor,
+    critic and teacher, the teacher colocated on the one GPU,
     the RCE audit at step 2 (``train_command`` lists every override). PASS: exit 0, both steps logged
     with finite metrics and MemOPD's (``TRAIN_METRICS``). Its log is ``<workdir>/train.log``.
 """
@@ -52,6 +63,8 @@ train
 from __future__ import annotations
 
 import argparse
+import ctypes
+import importlib.util
 import math
 import re
 import subprocess
@@ -66,7 +79,8 @@ import torch
 
 from verl_memopd.launching import offline_env, parse_steps, run_bounded
 
-__all__ = ["NO_CUDA_STATUS", "OLD_DRIVER_STATUS", "ModelShape", "QWEN_3B", "CudaVersions", "cuda_versions",
+__all__ = ["NO_CUDA_STATUS", "OLD_DRIVER_STATUS", "Skip", "ModelShape", "QWEN_3B", "CudaVersions", "cuda_versions",
+           "driver_cuda_from_libcuda", "driver_cuda_from_nvidia_smi", "driver_cuda_from_torch", "DRIVER_CUDA_SOURCES",
            "driver_check", "plain_bf16_attention", "attention_check", "rce_check", "packing_check", "kl_check",
            "train_command", "train_result", "train_check", "summary_line", "main"]
 
@@ -82,8 +96,35 @@ TRAIN_STEPS = 2
 TRAIN_METRICS = ("actor/memopd/reverse_kl", "memopd/calls_per_episode", "memopd/tokens_saved_by_shared_prefix",
                  "timing_s/teacher", "training/rollout_probs_diff_max", "timing_s/step")
 FWD_FACTOR, BWD_FACTOR = 2.0, 3.0
-KL_MIN_MEMORY_RATIO = 2.0
+KL_MIN_MEMORY_RATIO = 8.0
+KL_TOLERANCE_FACTOR = 2.0
 BF16_ULP = 2.0 ** -7
+
+
+class Skip(Exception):
+    """Raised by a check that cannot run here for a reason that is no failure (an optional package absent).
+
+    ``fields``: what identifies the check on its line (e.g. ``backend="flash_attn"``)."""
+
+    def __init__(self, reason: str, **fields: object):
+        super().__init__(reason)
+        self.reason, self.fields = reason, fields
+
+
+FLASH_ATTN_OPTIONAL = ("flash-attn is not installed (optional: the default CUDA backend torch_varlen ships with "
+                       "torch; docker build --build-arg WITH_FLASH_ATTN=1 or MEMOPD_FLASH_ATTN=1 bash "
+                       "docker/install.sh gpu adds it)")
+
+
+def require_backend_packages(backend: str) -> None:
+    """Skip (not fail) a check of the ``flash_attn`` backend where flash-attn is absent."""
+    if backend == "flash_attn" and missing_packages("flash_attn"):
+        raise Skip(FLASH_ATTN_OPTIONAL, backend=backend)
+
+
+def missing_packages(*names: str) -> list[str]:
+    """Those of the importable ``names`` that are not installed."""
+    return [n for n in names if importlib.util.find_spec(n) is None]
 
 
 @dataclass(frozen=True)
@@ -108,8 +149,9 @@ class CudaVersions:
 
     torch: str
     torch_cuda: Optional[str]      # torch.version.cuda, e.g. "13.0"; None for a CPU build
-    driver_cuda: Optional[str]     # highest CUDA version the driver supports (cudaDriverGetVersion), e.g. "12.8"
+    driver_cuda: Optional[str]     # highest CUDA version the driver supports (cuDriverGetVersion), e.g. "12.8"
     driver: Optional[str]          # NVIDIA driver version (nvidia-smi), e.g. "570.124.06"
+    source: str = "none"           # where driver_cuda came from; when unread, why each source failed
 
 
 def _major_minor(version: Optional[str]) -> Optional[tuple[int, int]]:
@@ -117,30 +159,98 @@ def _major_minor(version: Optional[str]) -> Optional[tuple[int, int]]:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def cuda_versions() -> CudaVersions:
-    """Read the versions without initialising a device (works when the driver is too old for torch)."""
-    driver_cuda = None
+def _cuda_version_string(code: int) -> Optional[str]:
+    """1000 * major + 10 * minor (cuDriverGetVersion's encoding) -> "major.minor"; 0 (no driver) -> None."""
+    return f"{code // 1000}.{code % 1000 // 10}" if code > 0 else None
+
+
+def driver_cuda_from_libcuda() -> Optional[str]:
+    """``cuDriverGetVersion`` of the driver library ``libcuda.so.1`` (ctypes; needs no ``cuInit``)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise LookupError(f"libcuda.so.1 not loadable ({e})") from None
+    code = ctypes.c_int(0)
+    status = lib.cuDriverGetVersion(ctypes.byref(code))
+    if status != 0:
+        raise LookupError(f"cuDriverGetVersion returned CUDA error {status}")
+    return _cuda_version_string(code.value)
+
+
+def driver_cuda_from_nvidia_smi() -> Optional[str]:
+    """The "CUDA Version: X.Y" of ``nvidia-smi``'s header."""
+    try:
+        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise LookupError(f"nvidia-smi did not run ({type(e).__name__})") from None
+    m = re.search(r"CUDA Version:\s*(\d+\.\d+)", smi.stdout)
+    if smi.returncode != 0 or m is None:
+        raise LookupError(f"nvidia-smi exit {smi.returncode}, no 'CUDA Version' in its output")
+    return m.group(1)
+
+
+def driver_cuda_from_torch() -> Optional[str]:
+    """torch's private ``torch._C._cuda_getDriverVersion`` (present up to torch 2.10)."""
     get = getattr(torch._C, "_cuda_getDriverVersion", None)
-    if torch.version.cuda and get is not None:
+    if get is None:
+        raise LookupError("torch has no private driver API (torch._C._cuda_getDriverVersion)")
+    try:
+        return _cuda_version_string(int(get()))
+    except RuntimeError as e:
+        raise LookupError(f"torch._C._cuda_getDriverVersion failed ({str(e).splitlines()[0] if str(e) else e})") from None
+
+
+#: Where the driver's CUDA version is read from, in order (the first that answers wins).
+DRIVER_CUDA_SOURCES: tuple[tuple[str, Callable[[], Optional[str]]], ...] = (
+    ("libcuda", driver_cuda_from_libcuda), ("nvidia-smi", driver_cuda_from_nvidia_smi), ("torch", driver_cuda_from_torch))
+
+
+def read_driver_cuda() -> tuple[Optional[str], str]:
+    """(driver CUDA version or None, its source -- or, when no source answered, why each failed)."""
+    failures = []
+    for name, read in DRIVER_CUDA_SOURCES:
         try:
-            code = int(get())  # 1000 * major + 10 * minor; 0 when no driver is installed
-            driver_cuda = f"{code // 1000}.{code % 1000 // 10}" if code else None
-        except RuntimeError:
-            driver_cuda = None
+            version = read()
+        except LookupError as e:
+            failures.append(f"{name}: {e}")
+            continue
+        if version is not None:
+            return version, name
+        failures.append(f"{name}: reports no driver (version 0)")
+    return None, "; ".join(failures)
+
+
+def _driver_version() -> Optional[str]:
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=30)
-        driver = smi.stdout.split()[0] if smi.returncode == 0 and smi.stdout.split() else None
     except (OSError, subprocess.TimeoutExpired):
-        driver = None
-    return CudaVersions(torch.__version__, torch.version.cuda, driver_cuda, driver)
+        smi = None
+    if smi is not None and smi.returncode == 0 and smi.stdout.split():
+        return smi.stdout.split()[0]
+    try:  # the kernel module's own line: "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  ..."
+        m = re.search(r"Kernel Module\s+(\d+\.\d+(?:\.\d+)?)", Path("/proc/driver/nvidia/version").read_text())
+    except OSError:
+        return None
+    return m.group(1) if m else None
 
 
-def driver_check(v: CudaVersions) -> dict:
-    """PASS when the driver's CUDA major version covers torch's build (CUDA minor-version compatibility)."""
+def cuda_versions() -> CudaVersions:
+    """Read the versions without initialising a device (works when the driver is too old for torch)."""
+    driver_cuda, source = read_driver_cuda() if torch.version.cuda else (None, "CPU build of torch")
+    return CudaVersions(torch.__version__, torch.version.cuda, driver_cuda, _driver_version(), source)
+
+
+def driver_check(v: CudaVersions, cuda_available: Optional[bool] = None) -> dict:
+    """PASS when the driver's CUDA major version covers torch's build (CUDA minor-version compatibility),
+    or when torch sees a device (``cuda_available``; default: ask torch): torch then runs on this driver,
+    e.g. through the forward-compatibility package, whatever version could be read."""
     need, have = _major_minor(v.torch_cuda), _major_minor(v.driver_cuda)
-    passed = need is not None and have is not None and have[0] >= need[0]
-    return dict(nvidia=v.driver or "?", driver_cuda=v.driver_cuda or "none", torch=v.torch,
+    covered = need is not None and have is not None and have[0] >= need[0]
+    available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    passed = need is not None and (covered or available)
+    return dict(nvidia=v.driver or "?", driver_cuda=v.driver_cuda or "unknown",
+                source=v.source.replace(" ", "_") if v.driver_cuda else f"unread({v.source})", torch=v.torch,
                 torch_cuda=v.torch_cuda or "none", passed=passed)
 
 
@@ -150,9 +260,11 @@ def _no_cuda_reason(v: CudaVersions) -> Optional[tuple[int, str]]:
     if v.torch_cuda is None:
         return NO_CUDA_STATUS, (f"no CUDA device visible ({where}): this is a CPU build of torch; install the GPU "
                                 f"stack (docker/Dockerfile or bash docker/install.sh gpu)")
+    if torch.cuda.is_available():  # torch initialised the driver itself: whatever we could read, the checks run
+        return None
     if v.driver_cuda is None:
-        return NO_CUDA_STATUS, f"no CUDA device visible ({where}): no NVIDIA driver found (libcuda)"
-    if not driver_check(v)["passed"]:
+        return NO_CUDA_STATUS, f"no CUDA device visible ({where}): no NVIDIA driver found ({v.source})"
+    if not driver_check(v, cuda_available=False)["passed"]:
         major = _major_minor(v.torch_cuda)[0]
         return OLD_DRIVER_STATUS, (f"the NVIDIA driver {v.driver or '?'} supports CUDA {v.driver_cuda}, but {where} "
                                    f"needs {DRIVER_HINT.format(major=major)}")
@@ -211,6 +323,7 @@ def attention_check(backend: str = "flash_attn", episodes: int = 8, seed: int = 
     """Packed attention of ``backend`` in bf16 vs an fp32 reference, budgeted by plain bf16 PyTorch's error."""
     from verl_memopd.attention import get_backend
 
+    require_backend_packages(backend)
     meta = _packed_meta(episodes, seed, device, shape.vocab)
     n, d = meta.num_tokens, shape.head_dim
     g = torch.Generator(device=device).manual_seed(seed)
@@ -238,19 +351,26 @@ def attention_check(backend: str = "flash_attn", episodes: int = 8, seed: int = 
                 bwd_budget=bwd_budget, passed=passed)
 
 
-def prepare_tiny(workdir: Path) -> tuple[Path, Path, Path]:
-    """The tiny student and teacher (``verl_memopd.tiny``) and the ``tiny`` task preset under ``workdir``, once.
-
-    Returns (student, teacher, data folder with train.parquet / val.parquet)."""
+def tiny_models(workdir: Path) -> tuple[Path, Path]:
+    """The tiny student and teacher (``verl_memopd.tiny``) under ``workdir``, built once (torch + transformers)."""
     from verl_memopd.tiny import build
 
-    models, data = workdir / "models", workdir / "data"
+    models = workdir / "models"
     if not (models / "tiny.json").exists():
         build(models, seed=0)
+    return models / "student", models / "teacher"
+
+
+def prepare_tiny(workdir: Path) -> tuple[Path, Path, Path]:
+    """The tiny models (``tiny_models``) and the ``tiny`` task preset under ``workdir``, once.
+
+    Returns (student, teacher, data folder with train.parquet / val.parquet)."""
+    student, teacher = tiny_models(workdir)
+    data = workdir / "data"
     if not (data / "train.parquet").exists():
         subprocess.run([sys.executable, "-m", "verl_memopd.tasks", "build", "--out", str(data), "--seed", "0",
                         "--preset", "tiny"], check=True, capture_output=True, text=True, timeout=300)
-    return models / "student", models / "teacher", data
+    return student, teacher, data
 
 
 def rce_check(model_path: Path, backend: str = "flash_attn", episodes: int = 50, seed: int = 0,
@@ -258,6 +378,7 @@ def rce_check(model_path: Path, backend: str = "flash_attn", episodes: int = 50,
     """``rce.rce_audit`` of a saved model in ``dtype``: packed (``backend``) vs each call alone (sdpa)."""
     from transformers import AutoModelForCausalLM
 
+    require_backend_packages(backend)
     from verl_memopd.rce import random_episodes, rce_audit
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
@@ -270,8 +391,9 @@ def rce_check(model_path: Path, backend: str = "flash_attn", episodes: int = 50,
 def packing_check(backend: str = "flash_attn", episodes: int = 8, layers: int = 4, seed: int = 0,
                   warmup: int = 2, repeats: int = 5, device: str = "cuda", shape: ModelShape = QWEN_3B) -> dict:
     """``bench.packing``'s speed ratio on a model of ``shape``, ``layers`` deep, random weights, bf16."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config
 
+    require_backend_packages(backend)
     from verl_memopd.attention import hf_name
     from verl_memopd.bench.packing import SHAPE, layout_work, step_seconds
     from verl_memopd.packing import build_layout
@@ -282,7 +404,9 @@ def packing_check(backend: str = "flash_attn", episodes: int = 8, layers: int = 
                          num_hidden_layers=layers, num_attention_heads=c.heads, num_key_value_heads=c.kv_heads,
                          head_dim=c.head_dim, max_position_embeddings=32768, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(device, torch.bfloat16).train()
+    from verl_memopd.bench.packing import build_model
+
+    model = build_model(config, device, torch.bfloat16 if device != "cpu" else torch.float32)
     eps = random_episodes(episodes, c.vocab, seed, SHAPE)
     layouts = {name: build_layout(name, eps, c.vocab) for name in ("packed", "per_call", "per_call_varlen")}
     seconds = step_seconds(model, {
@@ -296,51 +420,36 @@ def packing_check(backend: str = "flash_attn", episodes: int = 8, layers: int = 
                 seconds=seconds, passed=speedup >= 1.0)
 
 
-def kl_check(vocab: int = QWEN_3B.vocab, hidden: int = QWEN_3B.hidden, tokens: int = 2048, seed: int = 0,
-             device: str = "cuda") -> dict:
-    """Peak CUDA memory and time of chunked vs naive full-vocabulary reverse KL, forward + backward."""
-    from verl_memopd.losses import Chunking, StudentLogits, divergence_loss, get_divergence, naive_divergence
-    from verl_memopd.supervision import HiddenTarget
+def kl_check(vocab: int = QWEN_3B.vocab, hidden: int = QWEN_3B.hidden, teacher_hidden: int = 3584,
+             tokens: int = 4096, seed: int = 0) -> dict:
+    """Ours in bf16 vs naive fp32 (memory, time) and vs plain bf16 PyTorch (error), ``bench.kl``'s CUDA variants."""
+    from verl_memopd.bench.kl import _cuda_inputs, _cuda_measure, _cuda_step
+    from verl_memopd.losses.chunked import CUDA_TOKEN_CHUNK
 
-    div = get_divergence("reverse_kl")
-    g = torch.Generator(device=device).manual_seed(seed)
-    s = hidden ** -0.5
-    hs, ws, ht, wt = (torch.randn(*shape, generator=g, device=device) * sc
-                      for shape, sc in (((tokens, hidden), 1.0), ((vocab, hidden), s), ((tokens, hidden), 1.0),
-                                        ((vocab, hidden), s)))
-    weights, temp = torch.full((tokens,), 1.0 / tokens, device=device), torch.ones(tokens, device=device)
-    results = {}
-    for variant in ("naive", "chunked"):
-        x_h, x_w = hs.clone().requires_grad_(), ws.clone().requires_grad_()
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        start = time.perf_counter()
-        if variant == "naive":
-            per_token = naive_divergence(div, x_h @ x_w.T, ht @ wt.T, vocab, temp)
-            (weights * per_token).sum().backward()
-        else:
-            res = divergence_loss(div, StudentLogits(vocab, hidden=x_h, head_weight=x_w),
-                                  HiddenTarget(ht, wt, vocab), weights, temp, Chunking())
-            res.loss.backward()
-            per_token = res.per_token
-        torch.cuda.synchronize(device)
-        results[variant] = dict(seconds=time.perf_counter() - start,
-                                peak_bytes=torch.cuda.max_memory_allocated(device) - base,
-                                values=(per_token.detach(), x_h.grad, x_w.grad))
-        del x_h, x_w, per_token
-    naive, chunked = results["naive"], results["chunked"]
-    max_abs_err = max((a - b).abs().max().item() for a, b in zip(naive["values"], chunked["values"]))
-    scale = max(v.abs().max().item() for v in naive["values"])
-    ratio = naive["peak_bytes"] / chunked["peak_bytes"]
-    return dict(vocab=vocab, tokens=tokens, peak_mem_ratio=ratio, time_ratio=chunked["seconds"] / naive["seconds"],
-                max_abs_err=max_abs_err, naive_peak_gib=naive["peak_bytes"] / 2**30,
-                chunked_peak_gib=chunked["peak_bytes"] / 2**30,
-                passed=ratio >= KL_MIN_MEMORY_RATIO and max_abs_err <= 1e-3 * scale)
+    x = _cuda_inputs(argparse.Namespace(seed=seed, tokens=tokens, hidden=hidden, teacher_hidden=teacher_hidden,
+                                        vocab=vocab))
+    runs = {}
+    for variant in ("naive/float32", "naive/bfloat16", f"chunked/bfloat16/{CUDA_TOKEN_CHUNK}"):
+        out, sec, peak = _cuda_measure(lambda v=variant: _cuda_step(v, x, CUDA_TOKEN_CHUNK), warmup=1, repeats=3)
+        runs[variant.split("/")[0] + "_" + variant.split("/")[1]] = (out, sec, peak)
+        torch.cuda.empty_cache()
+    (ref, ref_s, ref_peak), (plain, _, _), (ours, ours_s, ours_peak) = runs.values()
+
+    def err(out):
+        return max(float((out[k] - ref[k]).abs().max() / ref[k].abs().max()) for k in ("grad_h", "grad_w")), \
+            float((out["loss"] - ref["loss"]).abs())
+
+    (grad_err, loss_err), (plain_grad, plain_loss) = err(ours), err(plain)
+    ratio = ref_peak / ours_peak
+    return dict(vocab=vocab, tokens=tokens, chunk=CUDA_TOKEN_CHUNK, peak_mem_ratio=ratio, time_ratio=ours_s / ref_s,
+                ms=ours_s * 1e3, naive_ms=ref_s * 1e3, grad_err=grad_err, grad_tolerance=plain_grad, loss_err=loss_err,
+                loss_tolerance=plain_loss, naive_peak_gib=ref_peak / 2**30, chunked_peak_gib=ours_peak / 2**30,
+                passed=ratio >= KL_MIN_MEMORY_RATIO and grad_err <= KL_TOLERANCE_FACTOR * plain_grad + 1e-6
+                and loss_err <= KL_TOLERANCE_FACTOR * plain_loss + 1e-6)
 
 
 def train_command(student: Path, teacher: Path, data: Path, workdir: Path, steps: int = TRAIN_STEPS,
-                  attention: str = "memopd_fa2") -> list[str]:
+                  attention: str = "memopd_torch_varlen") -> list[str]:
     """The 2-step MemOPD run on one GPU: the GPU recipe's path (FSDP1, remove-padding, vLLM CUDA rollout,
     packed ``attention`` for actor, critic and teacher) at the tiny models' scale, the teacher colocated."""
     return [
@@ -391,11 +500,22 @@ def train_result(returncode: int, log: str, wall_s: float, steps: int = TRAIN_ST
                 problems=";".join(problems) or "none", passed=not problems)
 
 
-def train_check(workdir: Path, timeout_s: float, steps: int = TRAIN_STEPS) -> dict:
-    """Run ``train_command`` as a subprocess in its own process group, killed (with its Ray) at ``timeout_s``."""
+#: what the training check needs besides torch and transformers
+TRAIN_PACKAGES = ("verl", "vllm", "ray")
+
+
+def train_check(workdir: Path, timeout_s: float, steps: int = TRAIN_STEPS,
+                attention: str = "memopd_torch_varlen") -> dict:
+    """Run ``train_command`` as a subprocess in its own process group, killed (with its Ray) at ``timeout_s``.
+    Skipped where verl, vLLM or Ray is not installed."""
+    missing = missing_packages(*TRAIN_PACKAGES)
+    if missing:
+        raise Skip(f"needs {', '.join(missing)} (not installed; docker/Dockerfile or bash docker/install.sh gpu)")
+    if attention == "memopd_fa2" and missing_packages("flash_attn"):
+        raise Skip(FLASH_ATTN_OPTIONAL)
     student, teacher, data = prepare_tiny(workdir)
-    run = run_bounded(train_command(student, teacher, data, workdir, steps), workdir, offline_env(), timeout_s,
-                      workdir / "train.log", who="gpucheck")
+    run = run_bounded(train_command(student, teacher, data, workdir, steps, attention), workdir, offline_env(),
+                      timeout_s, workdir / "train.log", who="gpucheck")
     return train_result(run.returncode, run.log, run.wall_s, steps)
 
 
@@ -404,28 +524,35 @@ def _line(name: str, result: dict, keys: Sequence[str]) -> str:
     return f"gpucheck {name} {fields} {'PASS' if result['passed'] else 'FAIL'}"
 
 
-def summary_line(passed: int, failed: int, wall_s: float) -> str:
-    return (f"gpucheck summary checks={passed + failed} passed={passed} failed={failed} wall_s={wall_s:.0f} "
-            f"{'PASS' if failed == 0 else 'FAIL'}")
+def summary_line(passed: int, failed: int, wall_s: float, skipped: int = 0) -> str:
+    """The last line: skips are counted apart and fail nothing."""
+    return (f"gpucheck summary checks={passed + failed + skipped} passed={passed} failed={failed} skipped={skipped} "
+            f"wall_s={wall_s:.0f} {'PASS' if failed == 0 else 'FAIL'}")
 
 
 #: check name -> keys of its line, in order
 KEYS = {
-    "driver": ["nvidia", "driver_cuda", "torch", "torch_cuda"],
+    "driver": ["nvidia", "driver_cuda", "source", "torch", "torch_cuda"],
     "attention": ["backend", "tokens", "fwd_err", "fwd_budget", "bwd_err", "bwd_budget"],
     "rce": ["model", "dtype", "backend", "tokens", "max_abs_diff", "tolerance", "flat_max_abs_diff"],
     "packing": ["speedup_vs_per_call", "ideal", "efficiency"],
-    "kl": ["vocab", "tokens", "peak_mem_ratio", "time_ratio", "max_abs_err", "naive_peak_gib", "chunked_peak_gib"],
+    "kl": ["vocab", "tokens", "chunk", "peak_mem_ratio", "time_ratio", "ms", "naive_ms", "grad_err", "grad_tolerance",
+           "loss_err", "loss_tolerance", "naive_peak_gib", "chunked_peak_gib"],
     "train": ["steps", "wall_s", "step_s", "reverse_kl", "rollout_probs_diff_max", "rce_max_abs_diff", "problems"],
 }
 
 
-def run_checks(checks: Sequence[tuple[str, Callable[[], dict]]], out=sys.stdout) -> tuple[int, int]:
-    """Run each check, print its line (an exception is that check's FAIL, never hides the others); (passed, failed)."""
-    passed = failed = 0
+def run_checks(checks: Sequence[tuple[str, Callable[[], dict]]], out=sys.stdout) -> tuple[int, int, int]:
+    """Run each check, print its line (an exception is that check's FAIL, never hides the others; ``Skip`` is
+    a SKIP line with its reason); (passed, failed, skipped)."""
+    passed = failed = skipped = 0
     for name, run in checks:
         try:
             result = run()
+        except Skip as e:
+            fields = "".join(f"{k}={v} " for k, v in e.fields.items())
+            print(f"gpucheck {name} {fields}reason={e.reason} SKIP", file=out, flush=True)
+            skipped += 1
         except Exception as e:
             print(f"gpucheck {name} error={type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} FAIL",
                   file=out, flush=True)
@@ -437,7 +564,7 @@ def run_checks(checks: Sequence[tuple[str, Callable[[], dict]]], out=sys.stdout)
         finally:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    return passed, failed
+    return passed, failed, skipped
 
 
 CHECKS = ("attention", "rce", "packing", "kl", "train")
@@ -445,9 +572,9 @@ CHECKS = ("attention", "rce", "packing", "kl", "train")
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m verl_memopd.gpucheck", description=__doc__.split("\n")[0])
-    p.add_argument("--backend", default="flash_attn", choices=["flash_attn", "torch_varlen"],
-                   help="packed attention backend of the rce and packing checks (default flash_attn; the attention "
-                        "check runs both, the train check memopd_fa2)")
+    p.add_argument("--backend", default="torch_varlen", choices=["torch_varlen", "flash_attn"],
+                   help="packed attention backend of the rce, packing and train checks (default torch_varlen, which "
+                        "ships with torch; flash_attn needs flash-attn); the attention check runs both")
     p.add_argument("--episodes", type=int, default=8, help="random episodes per layout (default 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checks", default=",".join(CHECKS),
@@ -459,6 +586,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     unknown = sorted(set(wanted) - set(CHECKS))
     if unknown:
         p.error(f"--checks: unknown {unknown}; valid: {', '.join(CHECKS)}")
+    from verl_memopd.attention import hf_name
+
     start = time.monotonic()
     versions = cuda_versions()
     stop = _no_cuda_reason(versions)
@@ -474,18 +603,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     checks: list[tuple[str, Callable[[], dict]]] = [("driver", lambda: driver_check(versions))]
     if "attention" in wanted:
         checks += [("attention", lambda b=b: attention_check(b, args.episodes, args.seed))
-                   for b in ("flash_attn", "torch_varlen")]
+                   for b in ("torch_varlen", "flash_attn")]
     if "rce" in wanted:
-        checks += [("rce", lambda m=m: rce_check(prepare_tiny(workdir)[m], args.backend, seed=args.seed))
+        checks += [("rce", lambda m=m: rce_check(tiny_models(workdir)[m], args.backend, seed=args.seed))
                    for m in (0, 1)]
     if "packing" in wanted:
         checks.append(("packing", lambda: packing_check(args.backend, args.episodes, seed=args.seed)))
     if "kl" in wanted:
         checks.append(("kl", lambda: kl_check(seed=args.seed)))
     if "train" in wanted:
-        checks.append(("train", lambda: train_check(workdir, args.train_timeout)))
-    passed, failed = run_checks(checks)
-    print(summary_line(passed, failed, time.monotonic() - start), flush=True)
+        checks.append(("train", lambda: train_check(workdir, args.train_timeout, attention=hf_name(args.backend))))
+    passed, failed, skipped = run_checks(checks)
+    print(summary_line(passed, failed, time.monotonic() - start, skipped), flush=True)
     return 0 if not failed else 1
 
 

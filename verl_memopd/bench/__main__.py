@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, str] = {
     "packing": "actor forward+backward: packed vs per-call layouts (speed-up against the token-count ideal)",
     "kl": "full-vocabulary divergence: chunked vs naive (time, memory, agreement)",
     "transport": "teacher supervision transports: hidden states vs top-k + tail vs full logits",
+    "attention": "packed attention alone on CUDA: torch_varlen's K/V head repeat vs native GQA vs flash-attn",
 }
 
 

@@ -31,6 +31,15 @@ identical for both, are left out)::
 
 The shape line also gives the token-count ratio ``n T (q + b) / (q + n T b)`` (n episodes per
 group, T calls, mean |q| and block b), the ideal when attention is free.
+
+``--model-shape qwen2.5-3b --layers N`` replaces the tiny model by N layers of Qwen2.5-3B's shape and
+its 151,936-token vocabulary (random weights, built on ``--device``; on CUDA the defaults become bf16
+and the ``torch_varlen`` backend). The LM head and the full-vocabulary log-softmax at the A action
+tokens cost the same in every variant, so they cap the measurable speed-up below ``ideal``; the
+shape line prints ``ideal_with_head`` = ``(N work(per_call) + h) / (N work(packed) + h)`` with
+``h = 2 A H V`` (the head's forward FLOPs), what the step can reach when every FLOP costs the same.
+``--profile`` adds ``torch.profiler`` tables (top ops by device time, CPU time on CPU) of one actor
+step of ``packed`` and of ``per_call_varlen``.
 """
 
 from __future__ import annotations
@@ -51,12 +60,47 @@ from verl_memopd.records import Episode
 from verl_memopd.segments import SegmentMeta
 from verl_memopd.trainer.groups import share_prefix
 
-__all__ = ["SHAPE", "Stream", "grouped_episodes", "group_stream", "layout_work", "round_seconds", "step_seconds",
+__all__ = ["SHAPE", "MODEL_SHAPES", "model_config", "Stream", "grouped_episodes", "group_stream", "layout_work", "round_seconds", "step_seconds",
            "paired_ratio", "main"]
 
 #: Benchmark episodes: q of 256-320 tokens; blocks = memory (a slice of the previous response)
 #: + a 48-80 token chunk + a 16-48 token response, ~105 tokens on average: q / block ~ 2.7.
 SHAPE = EpisodeShape(prefix_len=(256, 320), calls=(4, 6), chunk_len=(48, 80), response_len=(16, 48))
+
+
+#: ``--model-shape`` name -> Qwen2 config fields (layers from ``--layers``).
+MODEL_SHAPES: dict[str, dict] = {
+    "qwen2.5-3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_attention_heads=16,
+                       num_key_value_heads=2, head_dim=128, tie_word_embeddings=False),
+}
+
+
+def model_config(shape: str, layers: Optional[int]):
+    """The benchmark model's config: ``tiny`` (``tiny.teacher_config``) or a ``MODEL_SHAPES`` entry, ``layers`` deep."""
+    from transformers import Qwen2Config
+
+    from verl_memopd.tiny import teacher_config
+
+    if shape == "tiny":
+        config = teacher_config()
+        if layers:
+            config.num_hidden_layers = layers
+        return config
+    return Qwen2Config(num_hidden_layers=layers or 8, max_position_embeddings=32768, **MODEL_SHAPES[shape])
+
+
+def build_model(config, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """Random-weight ``Qwen2ForCausalLM`` made directly on ``device`` in ``dtype`` (no CPU copy), train mode."""
+    from transformers import Qwen2ForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to(device, dtype).train()
 
 
 @dataclass(frozen=True)
@@ -190,6 +234,20 @@ def paired_ratio(times: dict[str, list[float]], baseline: str, target: str) -> f
     return statistics.median(b / t for b, t in zip(times[baseline], times[target], strict=True))
 
 
+def profile_table(model: torch.nn.Module, layout: Union[BatchLayout, Stream], impl: str, rows: int = 25) -> str:
+    """``torch.profiler`` table of one actor step (``_step``): the top ``rows`` ops by self device time
+    (self CPU time on CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = model.get_input_embeddings().weight.device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _step(model, layout, impl)  # warm
+    with profile(activities=activities) as prof:
+        _step(model, layout, impl)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+
 def _timed(build: Callable[[], BatchLayout]) -> tuple[BatchLayout, float]:
     start = time.perf_counter()
     layout = build()
@@ -210,14 +268,26 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="timed rounds, one step per variant each; medians reported (default 9: single steps "
                         "on a loaded 2-core machine move by +-15%%)")
     p.add_argument("--seed", type=int, default=0, help="seed of episodes and weights (default 0)")
-    p.add_argument("--backend", default="torch", choices=sorted(BACKENDS), help="packed attention backend")
+    p.add_argument("--backend", default=None, choices=sorted(BACKENDS),
+                   help="packed attention backend (default torch; torch_varlen on cuda)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="model dtype (default float32; bfloat16 on cuda)")
+    p.add_argument("--model-shape", default="tiny", choices=["tiny", *MODEL_SHAPES],
+                   help="tiny (default: the tiny teacher) or N layers of a real model's shape (--layers)")
+    p.add_argument("--layers", type=int, default=None, help="layers of --model-shape (default: tiny 4, others 8)")
+    p.add_argument("--profile", action="store_true", help="print torch.profiler tables of one packed and one "
+                                                          "per_call_varlen actor step")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (default 1: on a shared CPU, several threads per op make small "
                         "ops wait on each other and distort the ratios)")
     args = p.parse_args(argv)
     args.episodes = args.episodes or max(4, args.group_size)
+    cuda = str(args.device).startswith("cuda")
+    args.backend = args.backend or ("torch_varlen" if cuda else "torch")
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    if args.layers is not None and args.layers < 1:
+        p.error("--layers must be >= 1")
     if min(args.repeats, args.episodes, args.threads, args.group_size) < 1 or args.warmup < 0:
         p.error("--episodes, --repeats, --threads and --group-size must be >= 1, --warmup >= 0")
     if args.episodes % args.group_size or (args.calls is not None and args.calls < 1) or (
@@ -241,14 +311,10 @@ def _blocks(episodes: Sequence[Episode]) -> list[int]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parse(argv)
-    from transformers import Qwen2ForCausalLM
-
-    from verl_memopd.tiny import teacher_config
-
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    config = teacher_config()
-    model = Qwen2ForCausalLM(config).to(args.device, getattr(torch, args.dtype)).train()
+    config = model_config(args.model_shape, args.layers)
+    model = build_model(config, args.device, getattr(torch, args.dtype))
     episodes = _episodes(args, config.vocab_size)
     layout, build_s = _timed(lambda: build_layout("packed", episodes, config.vocab_size))
     packed = group_stream(episodes, layout)
@@ -272,6 +338,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"(packed {paired_ratio(actor, name, 'packed'):.3f}x)  teacher fwd "
               f"{statistics.median(teacher[name]) * 1e3:8.1f} ms (packed {paired_ratio(teacher, name, 'packed'):.3f}x)")
     ideal = layout_work(varlen, config) / layout_work(packed, config)
+    head = 2.0 * packed.action_ids.numel() * config.hidden_size * config.vocab_size
+    layers = config.num_hidden_layers
+    with_head = (layers * layout_work(varlen, config) + head) / (layers * layout_work(packed, config) + head)
+    print(f"packing: model {args.model_shape} x {layers} layers, {args.dtype}, {args.device}, backend {args.backend}; "
+          f"LM head {head / (layers * layout_work(packed, config) + head):.1%} of packed forward FLOPs; "
+          f"ideal_with_head={with_head:.3f}")
+    if args.profile:
+        for name in ("packed", "per_call_varlen"):
+            print(f"packing: profile of one {name} actor step\n{profile_table(model, *variants[name])}")
     baselines = ("per_call_padded", "per_call_varlen")
     t_speedup = min(paired_ratio(teacher, name, "packed") for name in baselines)
     print(f"packing teacher_speedup_vs_per_call={t_speedup:.3f} ideal={ideal:.3f} efficiency={t_speedup / ideal:.3f}")

@@ -37,10 +37,11 @@ from typing import Callable, Optional
 
 import torch
 
-from verl_memopd.losses.divergences import Divergence
+from verl_memopd.losses.divergences import Divergence, _rowdot
 from verl_memopd.supervision import HiddenTarget
 
 __all__ = [
+    "CUDA_TOKEN_CHUNK",
     "Chunking",
     "StudentLogits",
     "DivergenceResult",
@@ -49,6 +50,11 @@ __all__ = [
     "register_target_kernel",
     "TARGET_KERNELS",
 ]
+
+
+#: Token chunk for CUDA (the GPU recipes' ``memopd.distill.token_chunk_size``, ``bench kl --device cuda``):
+#: 128-row chunks leave a GPU's matmuls memory-bound (the head is re-read per chunk); see README "Deployment".
+CUDA_TOKEN_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -184,11 +190,6 @@ def accumulate_grad(grad_z, rows, cols, x, w, grad_x, grad_w) -> None:
     grad_w[cols].addmm_(grad_z.T.to(x.dtype), x[rows])
 
 
-def _rowdot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """(n, c), (n, c) -> (n,) row-wise dot products, without an (n, c) product buffer."""
-    return torch.bmm(x.unsqueeze(1), y.unsqueeze(2)).view(-1)
-
-
 def _merge_top(best: Optional[tuple], b: torch.Tensor, a: torch.Tensor, k: int) -> tuple:
     """Keep the k largest teacher log-probs b (and the student's a at the same tokens) seen so far."""
     vals, idx = b.topk(min(k, b.shape[-1]), dim=-1)
@@ -254,7 +255,12 @@ class _FullVocabDivergence(torch.autograd.Function):
         grad_w = torch.zeros_like(s_w) if grads_needed and s_w is not None else None
         stats = s_x.new_zeros((s_x.shape[0], 5), dtype=torch.float32)
         loss = torch.zeros((), dtype=torch.float32, device=s_x.device)
+        fused = s_w is not None and plan.chunking.vocab_chunk_size is None
         for rows in plan.chunking.token_ranges(s_x.shape[0]):
+            if fused:
+                loss += _fused_rows(plan, rows, (s_x, s_w, t_h, t_w), inv_temp[rows], weights[rows].float(),
+                                    stats[rows], grad_x, grad_w)
+                continue
             blocks = _Blocks(plan, rows, (s_x, s_w, t_h, t_w), inv_temp[rows, None])
             loss += _full_vocab_chunk(plan, blocks, weights[rows].float(), stats[rows], grad_x, grad_w)
             del blocks  # else the next chunk's blocks are built while this one's are still held
@@ -300,6 +306,38 @@ def _full_vocab_chunk(plan: Plan, blocks: _Blocks, w: torch.Tensor, stats: torch
             g = kept_g if kept_g is not None else plan.divergence.pointwise(a, b, p, q, with_grad=True)[1]
             grad_z = g.addcmul_(p, gsum[:, None], value=-1.0).mul_(scale)  # (n, c): w (g - p c) / T
             accumulate_grad(grad_z, blocks.rows, cols, *blocks.tensors[:2], grad_x, grad_w)
+    return chunk_loss
+
+
+def _fused_rows(plan: Plan, rows: slice, tensors: tuple, inv_t: torch.Tensor, w: torch.Tensor, stats: torch.Tensor,
+                grad_x, grad_w) -> torch.Tensor:
+    """One token chunk of a linear student head over the whole vocabulary, in few (n, V) passes.
+
+    The temperature is folded into the (n, H) rows (``x / T @ W.T`` = z / T), the logits go straight
+    from the matmul (inputs' dtype) into ``log_softmax(..., dtype=float32)`` (one kernel, fp32
+    log-sum-exp), the divergence's ``row_terms`` gives value, gradient and diagnostics, and the
+    per-row weight w / T is folded into the (n, H) sides of the two gradient matmuls. Fills stats
+    (n, 5) and the gradients; returns the chunk's loss. Logits are finite here (a linear head)."""
+    s_x, s_w, t_h, t_w = tensors
+    vocab = plan.vocab_size
+    xs = (s_x[rows] * inv_t[:, None]).to(s_x.dtype)  # (n, H_s): student rows / T
+    a = torch.log_softmax(xs @ s_w[:vocab].T, dim=-1, dtype=torch.float32)  # (n, V)
+    b = torch.log_softmax((t_h[rows] * inv_t[:, None]).to(t_h.dtype) @ t_w[:vocab].T, dim=-1, dtype=torch.float32)
+    top_b, top_idx = b.topk(min(plan.top_tokens, vocab), dim=-1)
+    top_a = a.gather(-1, top_idx)
+    p, q = a.exp(), b.exp()
+    terms = plan.divergence.row_terms(a, b, p, q)
+    del a, b, p, q  # grad may live in a's or b's storage; the rest goes back to the allocator
+    div = terms.value
+    stats.copy_(torch.stack([div, terms.reverse_kl, terms.forward_kl, top_b.exp().sum(-1), top_a.exp().sum(-1)], -1))
+    w_grad = w if plan.clamp is None else w * (div <= plan.clamp)
+    chunk_loss = (w * (div if plan.clamp is None else div.clamp(max=plan.clamp))).sum()
+    if grad_x is not None:
+        g = terms.grad if terms.grad.dtype == s_w.dtype else terms.grad.to(s_w.dtype)  # (n, V): dD/d(z / T)
+        del terms
+        # dL/dx = (w / T) * (G @ W);  dL/dW = G.T @ (x / T * w)
+        grad_x[rows] = (g @ s_w[:vocab]).to(grad_x.dtype).mul_((w_grad * inv_t)[:, None])
+        grad_w[:vocab].addmm_(g.T, xs * w_grad[:, None].to(xs.dtype))
     return chunk_loss
 
 

@@ -12,6 +12,15 @@ A divergence supplies only ``f`` and ``g = df/da`` elementwise on a chunk (given
 Zero-probability entries contribute 0 (``0 * log 0 = 0``); an entry where one side has mass and
 the other has none gives +inf, the true value.
 
+For the whole-vocabulary fast path (a token chunk's full rows at once, logits from a linear head and
+therefore finite) a divergence also supplies ``row_terms``: per row its value ``D``, the gradient
+already through the softmax, ``G = dD/dz`` (per unit weight, at temperature 1), and the reverse /
+forward KL diagnostics, in as few (n, V) passes as its maths allows. The base class derives them
+from ``pointwise``; ``reverse_kl`` and ``forward_kl`` write them in closed form::
+
+    reverse KL   d = a - b,  D = sum_j p_j d_j,  G = p * (d - D)
+    forward KL   D = sum_j q_j (b_j - a_j),      G = p - q
+
 Each divergence also has ``reference``: the same quantity written plainly with
 ``torch.nn.functional`` over full (A, V) log-probs -- the naive path the kernels are tested
 and benchmarked against.
@@ -32,7 +41,26 @@ import torch.nn.functional as F
 
 from verl_memopd.registry import Registry
 
-__all__ = ["Divergence", "DIVERGENCES", "register_divergence", "get_divergence"]
+__all__ = ["Divergence", "RowTerms", "DIVERGENCES", "register_divergence", "get_divergence"]
+
+
+def _rowdot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(n, c), (n, c) -> (n,) row-wise dot products, without an (n, c) product buffer."""
+    return torch.bmm(x.unsqueeze(1), y.unsqueeze(2)).view(-1)
+
+
+@dataclass(frozen=True)
+class RowTerms:
+    """What ``Divergence.row_terms`` returns for n whole-vocabulary rows.
+
+    value (n,): D per row. grad (n, V): dD/dz, the gradient with respect to the (temperature-scaled)
+    student logits, softmax Jacobian applied, per unit weight. reverse_kl, forward_kl (n,): the
+    diagnostics KL(p_S || p_T) and KL(p_T || p_S)."""
+
+    value: torch.Tensor
+    grad: torch.Tensor
+    reverse_kl: torch.Tensor
+    forward_kl: torch.Tensor
 
 
 class Divergence(ABC):
@@ -46,6 +74,16 @@ class Divergence(ABC):
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """a, b: (n, c) fp32 student / teacher log-probs, p = exp(a), q = exp(b) (given, not
         recomputed) -> f (n, c) and g = df/da (n, c, a new tensor the caller may overwrite) or None."""
+
+    def row_terms(self, a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> RowTerms:
+        """a, b: (n, V) fp32 student / teacher log-probs over the whole vocabulary (finite), p = exp(a),
+        q = exp(b) -> :class:`RowTerms`. May overwrite ``a`` and ``b`` (the caller is done with them);
+        ``grad`` may share their storage. This default derives everything from ``pointwise``."""
+        rkl, fkl = _rowdot(p, a) - _rowdot(p, b), _rowdot(q, b) - _rowdot(q, a)
+        f, g = self.pointwise(a, b, p, q, with_grad=True)
+        value = f.sum(-1)
+        del f
+        return RowTerms(value, g.addcmul_(p, g.sum(-1, keepdim=True), value=-1.0), rkl, fkl)
 
     @abstractmethod
     def reference(self, student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
@@ -76,6 +114,12 @@ class ReverseKL(Divergence):
         f = _weighted_log_ratio(a, b, p)
         return f, (f + p) if with_grad else None  # g = p_S (a - b + 1)
 
+    def row_terms(self, a, b, p, q):
+        fkl = _rowdot(q, b) - _rowdot(q, a)
+        d = torch.sub(a, b, out=a)  # a's storage from here on
+        value = _rowdot(p, d)
+        return RowTerms(value, d.sub_(value[:, None]).mul_(p), value, fkl)  # sum_j p_j = 1
+
     def reference(self, student_logp, teacher_logp):
         return F.kl_div(teacher_logp, student_logp, reduction="none", log_target=True).sum(-1)
 
@@ -87,6 +131,11 @@ class ForwardKL(Divergence):
 
     def pointwise(self, a, b, p, q, with_grad=False):
         return _weighted_log_ratio(b, a, q), -q if with_grad else None  # g = -p_T
+
+    def row_terms(self, a, b, p, q):
+        rkl = _rowdot(p, a) - _rowdot(p, b)
+        value = _rowdot(q, torch.sub(b, a, out=b))
+        return RowTerms(value, torch.sub(p, q, out=a), rkl, value)
 
     def reference(self, student_logp, teacher_logp):
         return F.kl_div(student_logp, teacher_logp, reduction="none", log_target=True).sum(-1)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One GPU session (<= 10 min on one GPU): the GPU check and the benchmarks whose figures the README's
+# "Deployment" section quotes, each log under $OUT (default ./gpu_session_out), one summary on stdout.
+#
+#   bash verl_memopd/bench/gpu_session.sh                     # from the repository root, on a CUDA machine
+#   MEMOPD_WHEELS=.whl bash verl_memopd/bench/gpu_session.sh  # also unpack the pure-Python wheels found there
+#                                                             # (e.g. liger-kernel, for the KL comparison)
+# Steps (each bounded by `timeout`; one failing does not stop the others):
+#   gpucheck    python -m verl_memopd.gpucheck (every check this image can run; SKIP lines for the rest)
+#   kl          bench kl --device cuda: naive, ours at several token chunks (fp32, bf16), Liger-Kernel; profile
+#   attention   bench attention: torch_varlen's K/V head repeat vs native GQA (vs flash-attn when installed)
+#   packing     bench packing --device cuda, 8 layers of Qwen2.5-3B: bench shape (+ profiler tables) and the
+#               GRPO group shape (8 samples sharing q, q = 2 blocks, 2 calls)
+set -uo pipefail
+out="${OUT:-gpu_session_out}"
+mkdir -p "$out"
+if [ -n "${MEMOPD_WHEELS:-}" ]; then
+  site="$(mktemp -d)"
+  for w in "$MEMOPD_WHEELS"/*.whl; do python -m zipfile -e "$w" "$site"; done
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+
+step() {  # step NAME SECONDS COMMAND...: log to $out/NAME.log, print its rc, wall time and key lines
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  rc=$?
+  echo "== $name rc=$rc wall_s=$(( $(date +%s) - start ))"
+  grep -E "^(gpucheck|kl |attention |packing)" "$out/$name.log" | grep -v "^packing: profile" | cut -c1-400
+  [ "$rc" = 0 ] || tail -n 5 "$out/$name.log"
+}
+
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1
+python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'transformers', transformers.__version__, torch.cuda.get_device_name(0))" 2>&1 | tee "$out/versions.txt"
+step gpucheck 150 python -m verl_memopd.gpucheck --workdir /tmp/memopd_gpucheck
+step kl 120 python -m verl_memopd.bench kl --device cuda --token-chunks 128,256,512,1024 --profile
+step attention 45 python -m verl_memopd.bench attention
+step packing_bench 120 python -m verl_memopd.bench packing --device cuda --model-shape qwen2.5-3b --layers 8 \
+  --episodes 8 --repeats 7 --profile
+step packing_group 90 python -m verl_memopd.bench packing --device cuda --model-shape qwen2.5-3b --layers 8 \
+  --episodes 8 --group-size 8 --q-ratio 2 --calls 2 --repeats 7
