@@ -415,7 +415,7 @@ def alone_pass_stats(module: torch.nn.Module, hf_model: torch.nn.Module, packed_
         found["stats"] = torch.cat(out)
 
     _run_alone(module, hf_model, calls, device, compare)
-    if found["dtype"] in NOISE_FLOOR_RULES and "h" not in ref_hidden and not _warned_fallback:
+    if reference and found["dtype"] in NOISE_FLOOR_RULES and "h" not in ref_hidden and not _warned_fallback:
         _warned_fallback = True
         logger.warning("RCE check: %s logits but no fp32 reference (FSDP-managed parameters cannot be upcast); "
                        "using the relative fallback bound TOLERANCES[%s]", found["dtype"], found["dtype"])
@@ -456,7 +456,8 @@ class CallSummary:
     """The verdict over many calls' :data:`STAT_COLUMNS` and bounds: ``failed`` calls (audited > bound,
     or not finite), ``worst_ratio`` = max audited / bound (> 1 fails), the largest packed-vs-alone
     difference, the largest noise floor (NaN: fp32 rule or fallback), the largest KL and the lowest
-    top-1 agreement of any call."""
+    top-1 agreement of any call; ``floor_ratio`` (printed ``k_needed``) = max over calls of
+    ``|l_packed - l_ref| / |l_alone - l_ref|``, the smallest ``k`` that would pass them with eps = 0."""
 
     calls: int
     failed: int
@@ -466,6 +467,7 @@ class CallSummary:
     noise_floor: float
     max_kl: float
     min_top1: float
+    floor_ratio: float = float("nan")
 
     @property
     def passed(self) -> bool:
@@ -474,7 +476,7 @@ class CallSummary:
     def text(self) -> str:
         return (f"calls={self.calls} failed={self.failed} worst_diff_over_bound={self.worst_ratio:.3g} "
                 f"max_abs_diff={self.max_abs_diff:.3e} noise_floor={self.noise_floor:.3e} "
-                f"max_kl={self.max_kl:.3e} min_top1={self.min_top1:.4f}")
+                f"max_kl={self.max_kl:.3e} min_top1={self.min_top1:.4f} k_needed={self.floor_ratio:.3g}")
 
 
 def summarize(stats: Sequence[torch.Tensor], bounds: Sequence[torch.Tensor]) -> CallSummary:
@@ -488,6 +490,9 @@ def summarize(stats: Sequence[torch.Tensor], bounds: Sequence[torch.Tensor]) -> 
     ratio = audited / b.clamp(min=1e-30)
     worst = int(torch.nan_to_num(ratio, nan=float("inf")).argmax())
     floor = s[:, 2]
+    has_floor = ~torch.isnan(floor)
+    usable = has_floor & (floor > 0) & torch.isfinite(audited)
     return CallSummary(int(s.shape[0]), failed, float(ratio[worst]), float(b[worst]), float(s[:, 1].max()),
-                       float(floor.max()) if not torch.isnan(floor).all() else float("nan"),
-                       float(s[:, 3].max()), float(s[:, 4].min()))
+                       float(floor[has_floor].max()) if has_floor.any() else float("nan"),
+                       float(s[:, 3].max()), float(s[:, 4].min()),
+                       float((audited[usable] / floor[usable]).max()) if usable.any() else float("nan"))

@@ -146,6 +146,7 @@ class RceReport:
     backend: str
     calls: CallSummary
     rule: str
+    ref_max_abs: float = float("nan")
 
     @property
     def passed(self) -> bool:
@@ -221,7 +222,7 @@ def rce_audit(model: torch.nn.Module, episodes: Sequence[Episode], backend: str 
     if dtype not in TOLERANCES:
         raise KeyError(f"no RCE tolerance for dtype {dtype}; known: {', '.join(map(str, TOLERANCES))}")
     vocab = model.config.vocab_size
-    diff = flat_diff = 0.0
+    diff = flat_diff = ref_max = 0.0
     tokens = 0
     stats, bounds = [], []
     for i in range(0, len(episodes), batch_episodes):
@@ -238,6 +239,7 @@ def rce_audit(model: torch.nn.Module, episodes: Sequence[Episode], backend: str 
         with attention_implementation(model, hf_name(backend)):
             packed = forward_layout(model, layout)
         flat_diff = max(flat_diff, _sup_diff(flat, alone))
+        ref_max = max(ref_max, float(alone.float().abs().max()) if alone.numel() else 0.0)
         tokens += alone.shape[0]
         if packed.shape != alone.shape:  # the packer lost or added action tokens: every call of the batch fails
             diff = float("inf")
@@ -252,7 +254,7 @@ def rce_audit(model: torch.nn.Module, episodes: Sequence[Episode], backend: str 
         bounds.append(b)
     summary = summarize(stats, bounds)
     return RceReport(len(episodes), tokens, diff, flat_diff, summary.worst_bound, str(dtype).replace("torch.", ""),
-                     backend, summary, rule_name(dtype))
+                     backend, summary, rule_name(dtype), ref_max)
 
 
 def _sup_diff(logits: torch.Tensor, ref: torch.Tensor) -> float:
