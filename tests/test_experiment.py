@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -136,9 +137,9 @@ def test_csv_round_trip_and_summary_line(tmp_path):
     assert path.read_text().splitlines()[0] == ",".join(COLUMNS)
     rows = read_metrics(path)
     assert len(rows) == len(_rows())
-    lines = summary_lines(rows)
-    assert lines[-1] == ("experiment seeds=3 steps=10 teacher_f1=0.8200 start_f1=0.2100 memopd_f1=0.5100 "
-                         "flat_f1=0.4100 ppo_f1=0.2600")
+    lines = summary_lines(rows, "tiny")
+    assert lines[-1] == ("experiment model=tiny seeds=3 steps=10 teacher_f1=0.8200 start_f1=0.2100 memopd_f1=0.5100 "
+                         "flat_f1=0.4100 ppo_f1=0.2600 kd_f1=na opd_f1=na")
     assert any(line.startswith("memopd") and "0.0100" in line for line in lines)  # std over seeds
 
 
@@ -263,15 +264,17 @@ def test_summary_of_a_partial_run_says_na(tmp_path):
     path = tmp_path / "metrics.csv"
     write_metrics([r for r in _rows() if r["arm"] in ("teacher", "student")], path)
     assert summary_lines(read_metrics(path))[-1] == (
-        "experiment seeds=0 steps=0 teacher_f1=0.8200 start_f1=0.2100 memopd_f1=na flat_f1=na ppo_f1=na")
+        "experiment model=na seeds=0 steps=0 teacher_f1=0.8200 start_f1=0.2100 memopd_f1=na flat_f1=na ppo_f1=na "
+        "kd_f1=na opd_f1=na")
 
 
 def test_summary_cli_prints_the_line(tmp_path):
     path = tmp_path / "metrics.csv"
     write_metrics(_rows(), path)
+    (tmp_path / "experiment.json").write_text(json.dumps({"base_model": "smollm2"}))
     out = subprocess.run([sys.executable, "-m", "verl_memopd.experiment", "summary", str(path)], capture_output=True,
                          text=True, check=True).stdout
-    assert out.strip().splitlines()[-1].startswith("experiment seeds=3 steps=10 teacher_f1=0.8200")
+    assert out.strip().splitlines()[-1].startswith("experiment model=smollm2 seeds=3 steps=10 teacher_f1=0.8200")
 
 
 def test_plot_reference_is_the_latest_tested_checkpoint():
@@ -304,14 +307,21 @@ def test_experiment_smoke_writes_csv_and_png(tmp_path):
     wall = time.monotonic() - start
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rows = read_metrics(tmp_path / "results" / "metrics.csv")
-    for arm in ("memopd", "flat", "ppo"):
+    for arm in ("memopd", "flat", "ppo", "opd"):
         assert [r["step"] for r in rows if r["arm"] == arm and r["split"] == "train"] == [1], arm
         assert {r["step"] for r in rows if r["arm"] == arm and r["split"] == "val"} == {0, 1}, arm
     assert all(r["reverse_kl"] is not None and r["reverse_kl"] > 0
-               for r in rows if r["arm"] in ("memopd", "flat") and r["split"] == "train")
+               for r in rows if r["arm"] in ("memopd", "flat", "opd") and r["split"] == "train")
+    assert [r["step"] for r in rows if r["arm"] == "kd" and r["split"] == "val"] == [1]  # SFT on teacher trajectories
+    for arm in ("memopd", "flat", "ppo", "opd", "kd"):  # held-out reverse KL: the start (step 0) and the saved step
+        kls = {r["step"]: r["reverse_kl"] for r in rows if r["arm"] == arm and r["split"] == "heldout"}
+        assert set(kls) == {0, 1} and all(v > 0 for v in kls.values()), (arm, kls)
+    assert len({r["reverse_kl"] for r in rows if r["split"] == "heldout" and r["step"] == 0}) == 1  # one start
+    handoff = (tmp_path / "results" / "handoff.csv").read_text().splitlines()
+    assert handoff[0] == "teacher_from_call,val_f1" and len(handoff) > 3
     assert not [r for r in rows if r["arm"] in ("student", "teacher")]  # smoke: no SFT evals, the arms' step 0 is the start
     assert (tmp_path / "results" / "f1.png").read_bytes()[:4] == b"\x89PNG"
-    assert any(line.startswith("experiment seeds=0 steps=0 ") for line in proc.stdout.splitlines())  # no test evals
+    assert any(line.startswith("experiment model=tiny seeds=0 steps=0 ") for line in proc.stdout.splitlines())
     print(f"experiment smoke: wall {wall:.0f}s")
 
 

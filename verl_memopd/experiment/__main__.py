@@ -1,6 +1,6 @@
 """CLI of the experiment.
 
-    python -m verl_memopd.experiment run [--root runs/cpu_tiny] [--results results/cpu_tiny] [--until STAGE|--only STAGE] [--arms a,b]
+    python -m verl_memopd.experiment run [--experiment cpu_tiny|cpu_smollm2] [--root runs/cpu_tiny] [--results results/cpu_tiny] [--until STAGE|--only STAGE] [--arms a,b]
         runs the stages in order up to the report, skipping finished ones (EXPERIMENT_SMOKE=1: the minutes-long
         smoke sizes); ``--until sweep`` adds the val-only sensitivity sweep after it;
         a stage runs under a lock file, so a second process started with --only waits instead of clashing
@@ -8,7 +8,8 @@
         val F1 of one SFT checkpoint with verl's validation (also done by the eval stage)
     python -m verl_memopd.experiment summary results/cpu_tiny/metrics.csv
         the final test-split table; last line:
-        ``experiment seeds=<n> steps=<s> teacher_f1=<t> start_f1=<f0> memopd_f1=<a> flat_f1=<b> ppo_f1=<c>``
+        ``experiment model=<m> seeds=<n> steps=<s> teacher_f1=<t> start_f1=<f0> memopd_f1=<a> flat_f1=<b> ppo_f1=<c>
+        kd_f1=<d> opd_f1=<e>`` (na for an arm without a test row)
     python -m verl_memopd.experiment plot results/cpu_tiny/metrics.csv [--out f1.png]
 """
 
@@ -19,12 +20,13 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from verl_memopd.experiment.config import Paths, full_config, smoke_config
+from verl_memopd.experiment.config import EXPERIMENTS, Paths, smoke_config
 from verl_memopd.experiment.pipeline import EXPERIMENT_END, STAGES, run_pipeline
 
 
-def _config():
-    return smoke_config() if os.environ.get("EXPERIMENT_SMOKE", "0") == "1" else full_config()
+def _config(name: str):
+    """The experiment ``name`` (EXPERIMENT_SMOKE=1: the tiny smoke run, whatever the name)."""
+    return smoke_config() if os.environ.get("EXPERIMENT_SMOKE", "0") == "1" else EXPERIMENTS[name]()
 
 
 def _paths(args: argparse.Namespace, name: str) -> Paths:
@@ -45,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--step", required=True, type=int)
     e.add_argument("--split", default="val", choices=("val", "test"))
     for p in (r, e):
+        p.add_argument("--experiment", default="cpu_tiny", choices=sorted(EXPERIMENTS),
+                       help="which experiment (default cpu_tiny; cpu_smollm2: the pretrained-model run)")
         p.add_argument("--root", default=None, help="big outputs (default runs/<name>)")
         p.add_argument("--results", default=None, help="committed results (default results/<name>)")
     s = sub.add_parser("summary", help="final test-split table from metrics.csv")
@@ -54,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
-    cfg = _config()
+    cfg = _config(getattr(args, "experiment", "cpu_tiny"))
     if args.command == "run":
         if args.arms:
             cfg = replace(cfg, arms=replace(cfg.arms, arms=tuple(args.arms.split(","))))
@@ -64,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(eval_sft_checkpoint(cfg, _paths(args, cfg.name), args.role, args.step, args.split))
     elif args.command == "summary":
-        from verl_memopd.experiment.report import read_metrics, summary_lines
+        from verl_memopd.experiment.report import experiment_model, read_metrics, summary_lines
 
-        print("\n".join(summary_lines(read_metrics(Path(args.csv)))))
+        print("\n".join(summary_lines(read_metrics(Path(args.csv)), experiment_model(Path(args.csv)))))
     else:
         from verl_memopd.experiment.plot import plot_metrics
         from verl_memopd.experiment.report import read_metrics

@@ -1,4 +1,4 @@
-"""The matched RL arms: MemOPD, persistent-history teacher scoring, PPO only; 3 seeds each.
+"""The matched arms: MemOPD, persistent-history teacher scoring, PPO only, OPD only (RL); off-policy KD (SFT, ``kd.py``).
 
 Every arm starts from the chosen student SFT checkpoint and shares everything but its arm
 overrides (:data:`config.ARMS`): data order (``data.seed``), rollout seeds (``rollout.seed``, one
@@ -17,14 +17,14 @@ import json
 import time
 from pathlib import Path
 
-from verl_memopd.experiment.config import ARMS, ExperimentConfig, Paths, Variant
+from verl_memopd.experiment.config import ARMS, KD_ARM, ExperimentConfig, Paths, Variant
 from verl_memopd.experiment.evaluate import eval_model, start_models
 from verl_memopd.experiment.launch import main_ppo
 from verl_memopd.experiment.runner import heavy, heavy_wall_s, run_logged
 from verl_memopd.launching import cpu_env
 from verl_memopd.experiment.sft import fp32_export
 
-__all__ = ["arm_command", "run_arm", "stage_arms", "stage_sweep", "check_arm_overrides"]
+__all__ = ["arm_command", "run_arm", "prune_checkpoints", "stage_arms", "stage_sweep", "check_arm_overrides"]
 
 
 def arm_command(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, teacher,
@@ -48,7 +48,7 @@ def arm_command(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, studen
         f"memopd.audit.every_n_steps={a.val_every}",
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
         f"trainer.experiment_name={run_dir.name}",
-        *ARMS[arm], *(variant.overrides if variant is not None else ()),
+        *cfg.arm_overrides, *ARMS[arm], *(variant.overrides if variant is not None else ()),
     )
 
 
@@ -100,18 +100,43 @@ def run_arm(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, t
     a = cfg.arms
     final = _train(cfg, paths, run_dir, f"arm {arm} seed {seed}", arm_command(cfg, paths, arm, seed, student, teacher))
     done = _done(run_dir, final)
+    if cfg.heldout:
+        from verl_memopd.experiment.heldout import arm_heldout_kl
+
+        exports = {step: fp32_export(run_dir / "checkpoints" / f"global_step_{step}" / "actor" / "huggingface")
+                   for step in range(a.val_every, a.steps + 1, a.val_every)}
+        arm_heldout_kl(cfg, paths, arm, seed, exports, teacher)
     if cfg.final_evals:
         done["test_f1"] = eval_model(final, paths.data / "test.parquet", run_dir / "test.json", cfg, paths,
                                      {"role": arm, "seed": seed, "step": a.steps, "split": "test"})["f1"]
     (run_dir / "DONE.json").write_text(json.dumps(done) + "\n")
+    prune_checkpoints(run_dir / "checkpoints")
+
+
+def prune_checkpoints(checkpoints: Path) -> None:
+    """After an arm is done: drop its resumable state (FSDP shards, optimizer, the critic), keep the actor's
+    Hugging Face exports (evaluated, diagnosed) -- ~3 GB less per arm of a 135M-parameter model."""
+    import shutil
+
+    for step_dir in checkpoints.glob("global_step_*"):
+        for role_dir in (p for p in step_dir.iterdir() if p.is_dir()):
+            keep = role_dir / "huggingface" if role_dir.name == "actor" else None
+            for item in role_dir.iterdir() if keep is not None else [role_dir]:
+                if item != keep:
+                    shutil.rmtree(item) if item.is_dir() else item.unlink()
 
 
 def stage_arms(cfg: ExperimentConfig, paths: Paths) -> None:
-    check_arm_overrides(cfg.arms.arms)
+    from verl_memopd.experiment.kd import run_kd_arm
+
+    check_arm_overrides(tuple(a for a in cfg.arms.arms if a != KD_ARM))
     student, teacher = start_models(cfg, paths)
     for seed in cfg.arms.seeds:  # seed-major: a partial run has every arm at the same seeds
         for arm in cfg.arms.arms:
-            run_arm(cfg, paths, arm, seed, student, teacher)
+            if arm == KD_ARM:
+                run_kd_arm(cfg, paths, seed, student, teacher)
+            else:
+                run_arm(cfg, paths, arm, seed, student, teacher)
 
 
 def stage_sweep(cfg: ExperimentConfig, paths: Paths) -> None:

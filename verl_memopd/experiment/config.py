@@ -10,15 +10,22 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-__all__ = ["SftConfig", "ArmsConfig", "Variant", "SweepConfig", "ExperimentConfig", "ARMS", "full_config",
-           "smoke_config", "Paths"]
+__all__ = ["SftConfig", "ArmsConfig", "Variant", "SweepConfig", "ExperimentConfig", "ARMS", "KD_ARM",
+           "EXPERIMENTS", "full_config", "smoke_config", "smollm2_config", "Paths"]
 
-#: arm name -> Hydra overrides on top of the shared arm command (everything else matched)
+#: arm name -> Hydra overrides on top of the shared arm command (everything else matched); every arm but
+#: :data:`KD_ARM` is one ``main_ppo`` run
 ARMS: dict[str, tuple[str, ...]] = {
     "memopd": ("memopd.teacher.state=aligned", "memopd.layout=packed"),
     "flat": ("memopd.teacher.state=flat", "memopd.layout=packed"),
     "ppo": ("memopd.distill.coef=0",),
+    # on-policy distillation alone: the aligned teacher's reverse KL, no PPO term (the critic still runs, matched)
+    "opd": ("memopd.teacher.state=aligned", "memopd.layout=packed", "memopd.ppo_coef=0"),
+    # off-policy KD: verl's SFT trainer on the teacher's own greedy trajectories of the same episodes (kd.py)
+    "kd": (),
 }
+#: the arm that is not an RL run (SFT on the teacher's trajectories; see ``experiment/kd.py``)
+KD_ARM = "kd"
 
 
 @dataclass(frozen=True)
@@ -126,10 +133,19 @@ class ExperimentConfig:
     final_evals: bool = True
     #: per-command bound (seconds) for one eval or one arm; a hung verl run cannot stall the pipeline
     timeout_s: int = 5400
+    #: where student and teacher start: "tiny" (random-init models built locally, ``verl_memopd.tiny``) or a
+    #: pretrained model provisioned offline (``verl_memopd.models``, e.g. "smollm2"; both roles start from it)
+    base_model: str = "tiny"
+    #: Hydra overrides every RL run of this experiment shares (arms, sweep), before each arm's own
+    arm_overrides: tuple[str, ...] = ()
     #: the val-only sensitivity runs of the sweep stage (None: no sweep)
     sweep: SweepConfig | None = None
     #: the diagnose stage: val evals of teacher, start and the arms' final actors with memory diagnostics
     diagnose: bool = True
+    #: the teacher's supervision checked with Hugging Face runs of the agent (``experiment/heldout.py``): F1 when the
+    #: teacher takes over from the student at call t (eval stage), and each arm's reverse KL to the teacher on one
+    #: fixed set of the start student's rollouts at every saved step
+    heldout: bool = False
 
     def __post_init__(self) -> None:
         saved = range(self.student_sft.save_every, self.student_sft.steps + 1, self.student_sft.save_every)
@@ -155,7 +171,7 @@ def full_config() -> ExperimentConfig:
         # RL lr = the student SFT's final lr (cosine floor 0.1 x 1e-3): the arms continue at the rate the
         # student was last trained with (1e-5 would move this 2-layer model ~1% in 30 Adam steps)
         arms=ArmsConfig(steps=30, val_every=10, episodes_per_step=4, samples_per_episode=2, lr=1e-4,
-                        seeds=(0, 1, 2)),
+                        seeds=(0, 1, 2), arms=("memopd", "flat", "ppo")),
         # no arm beat the student at lr 1e-4: is the step too large, or the distillation term too strong?
         # "base" reruns the arms' own settings under the sweep's code (its reference if the code has moved on)
         sweep=SweepConfig(variants=(Variant("base"), Variant("lr3e-5", lr=3e-5), Variant("lr1e-5", lr=1e-5),
@@ -170,15 +186,43 @@ def full_config() -> ExperimentConfig:
 
 
 def smoke_config() -> ExperimentConfig:
-    """Minutes, for CI: a few SFT steps, one RL step per arm, one seed; checks the plumbing only."""
+    """Minutes, for CI: a few SFT steps, one RL step per arm (every arm, the KD arm included), one seed; checks
+    the plumbing only."""
     full = full_config()
     two_steps = SftConfig(steps=2, batch=4, lr=1e-3, save_every=2, warmup_steps=0)
     return replace(
         full, name="cpu_tiny_smoke", n_train=64, n_val=4, n_test=4, timeout_s=900,
         teacher_sft=two_steps, student_sft=two_steps, student_eval_steps=(),
         student_f1_band=None, final_evals=False,
-        arms=replace(full.arms, steps=1, val_every=1, episodes_per_step=2, seeds=(0,)), sweep=None, diagnose=False,
+        arms=replace(full.arms, steps=1, val_every=1, episodes_per_step=2, seeds=(0,), arms=tuple(ARMS)),
+        sweep=None, diagnose=False, heldout=True,
     )
+
+
+def smollm2_config() -> ExperimentConfig:
+    """The evidence run on a pretrained model: student and teacher both start from SmolLM2-135M-Instruct
+    (``python -m verl_memopd.models smollm2``), the student after a short SFT on the oracle's calls (val F1 in
+    [0.2, 0.5]), the teacher after a longer one (aim >= 0.8); then 5 arms x 3 seeds of 10 RL steps.
+
+    Sizes from a plain-PyTorch probe of the same task and model on 2 cores (student 20 SFT steps x 8 calls at lr
+    3e-5: val F1 0.18-0.36; teacher 150 x 8 at 5e-5: 0.81; reverse-KL OPD at Adam lr 2e-5 from that student moved
+    val F1 0.18 -> 0.65 in 15 steps of 8 episodes). Every arm runs without the reference model
+    (``kl_penalty_coef=0``, matched), which saves its forward pass each step.
+    """
+    return ExperimentConfig(
+        name="cpu_smollm2", data_seed=0, n_train=2048, n_val=32, n_test=64, base_model="smollm2",
+        teacher_sft=SftConfig(steps=150, batch=8, lr=5e-5, save_every=50, warmup_steps=2, min_lr_ratio=0.1),
+        student_sft=SftConfig(steps=20, batch=8, lr=3e-5, save_every=5, warmup_steps=2, min_lr_ratio=0.1),
+        student_eval_steps=(10, 15, 20), student_f1_band=(0.2, 0.5),
+        arms=ArmsConfig(steps=10, val_every=5, episodes_per_step=8, samples_per_episode=1, lr=2e-5,
+                        seeds=(0, 1, 2), arms=("memopd", "flat", "ppo", "opd", "kd")),
+        arm_overrides=("memopd.kl_penalty_coef=0",),
+        timeout_s=4 * 3600, sweep=None, heldout=True,
+    )
+
+
+#: experiment name -> its config (``python -m verl_memopd.experiment run --experiment NAME``)
+EXPERIMENTS = {"cpu_tiny": full_config, "cpu_smollm2": smollm2_config}
 
 
 @dataclass(frozen=True)

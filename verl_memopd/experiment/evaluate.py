@@ -106,6 +106,13 @@ def stage_eval(cfg: ExperimentConfig, paths: Paths) -> None:
     step = chosen_student(cfg, paths)
     paths.evals().mkdir(parents=True, exist_ok=True)
     (paths.evals() / "student_choice.json").write_text(json.dumps({"step": step}) + "\n")
+    if cfg.heldout:
+        from verl_memopd.experiment.heldout import heldout_kl, teacher_handoff
+
+        student, teacher = start_models(cfg, paths)
+        teacher_handoff(cfg, paths, student, teacher)
+        heldout_kl(cfg, paths, student, teacher, paths.evals() / "heldout_kl_student.json",
+                   {"arm": "student", "seed": 0, "step": 0})
     if not cfg.final_evals:
         return
     eval_sft_checkpoint(cfg, paths, "student", step, "test")

@@ -11,13 +11,17 @@ import re
 import sys
 from pathlib import Path
 
-__all__ = ["SHARED", "main_ppo", "val_scores", "read_log"]
+__all__ = ["SHARED", "AGENT_TOKENS", "main_ppo", "val_scores", "read_log"]
+
+#: the memory agent's token budgets in every run (a memory call, the answer call); the diagnostics that run the
+#: agent with Hugging Face models (``hf_agent.py``) use the same
+AGENT_TOKENS = {"memory_tokens": 64, "answer_tokens": 32}
 
 #: settings common to every main_ppo run of the experiment (CPU sizes, from recipes/quickstart_cpu.sh)
 SHARED = (
     "+profile=cpu", "+recipe=memopd",
     "data.max_prompt_length=256", "data.max_response_length=2048",
-    "memopd.agent.memory_tokens=64", "memopd.agent.answer_tokens=32",
+    *(f"memopd.agent.{k}={v}" for k, v in AGENT_TOKENS.items()),
     "actor_rollout_ref.rollout.max_model_len=1024", "actor_rollout_ref.rollout.max_num_seqs=16",
     "actor_rollout_ref.rollout.max_num_batched_tokens=4096", "actor_rollout_ref.rollout.val_kwargs.n=1",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",

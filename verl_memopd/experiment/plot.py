@@ -1,10 +1,12 @@
 """``f1.png`` from ``metrics.csv`` rows (matplotlib, no display needed).
 
-Three panels:
+Five panels:
   1. SFT: val F1 of the teacher's and the student's SFT checkpoints vs SFT step;
-  2. RL: val F1 vs step, one line per arm (mean over seeds, min-max band), the teacher's F1 and the
+  2. arms: val F1 vs step, one line per arm (mean over seeds, min-max band), the teacher's F1 and the
      student's start as horizontal references;
-  3. per-call reverse KL to the teacher vs step for MemOPD and the persistent-history control.
+  3. training reverse KL to the teacher vs step (each arm on its own rollouts);
+  4. held-out reverse KL vs step: every arm on one fixed set of the start student's rollouts;
+  5. the teacher from the student's state: val F1 when the teacher takes over at call t (``handoff.csv``).
 A panel with no data yet says so (a partial run still produces the picture).
 """
 
@@ -15,7 +17,9 @@ from pathlib import Path
 
 __all__ = ["band", "plot_metrics"]
 
-COLORS = {"memopd": "tab:blue", "flat": "tab:orange", "ppo": "tab:green", "teacher": "black", "student": "tab:gray"}
+COLORS = {"memopd": "tab:blue", "flat": "tab:orange", "ppo": "tab:green", "opd": "tab:purple", "kd": "tab:brown",
+          "teacher": "black", "student": "tab:gray"}
+ARMS = ("memopd", "flat", "ppo", "opd", "kd")
 
 
 def band(rows: list[dict], arm: str, split: str, key: str) -> tuple[list[int], list[float], list[float], list[float]]:
@@ -41,13 +45,24 @@ def _empty(ax, what: str) -> None:
     ax.text(0.5, 0.5, f"{what}: not measured yet", ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
-def plot_metrics(rows: list[dict], out: Path) -> Path:
+def _lines(ax, rows: list[dict], arms, split: str, key: str, style: str) -> None:
+    for arm in arms:
+        steps, mean, lo, hi = band(rows, arm, split, key)
+        if steps:
+            ax.plot(steps, mean, style, color=COLORS[arm], label=arm)
+            ax.fill_between(steps, lo, hi, color=COLORS[arm], alpha=0.2)
+
+
+def plot_metrics(rows: list[dict], out: Path, handoff: dict[int, float] | None = None) -> Path:
+    """Draw the panels (module docstring) into ``out``; ``handoff``: val F1 by the call the teacher takes over at."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_sft, ax_f1, ax_kl) = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+    (ax_sft, ax_f1, ax_kl), (ax_held, ax_hand, ax_off) = axes
+    ax_off.axis("off")
     for role in ("teacher", "student"):
         steps, mean, _, _ = band(rows, role, "val", "f1")
         if steps:
@@ -58,31 +73,41 @@ def plot_metrics(rows: list[dict], out: Path) -> Path:
     else:
         _empty(ax_sft, "SFT val F1")
 
-    for arm in ("memopd", "flat", "ppo"):
-        steps, mean, lo, hi = band(rows, arm, "val", "f1")
-        if steps:
-            ax_f1.plot(steps, mean, "o-", color=COLORS[arm], label=arm)
-            ax_f1.fill_between(steps, lo, hi, color=COLORS[arm], alpha=0.2)
+    _lines(ax_f1, rows, ARMS, "val", "f1", "o-")
     for role, style in (("teacher", "--"), ("student", ":")):
         ref = _reference(rows, role)
         if ref is not None:
             ax_f1.axhline(ref, linestyle=style, color=COLORS[role], label=f"{role} (SFT) {ref:.2f}")
-    ax_f1.set(title="RL arms: val F1 (mean, min-max over seeds)", xlabel="RL step", ylabel="val F1", ylim=(0, 1))
-    if not any(band(rows, a, "val", "f1")[0] for a in ("memopd", "flat", "ppo")):
+    ax_f1.set(title="arms: val F1 (mean, min-max over seeds)", xlabel="step", ylabel="val F1", ylim=(0, 1))
+    if not any(band(rows, a, "val", "f1")[0] for a in ARMS):
         _empty(ax_f1, "RL arms")
     if ax_f1.lines:
         ax_f1.legend(fontsize=8)
 
-    for arm in ("memopd", "flat"):
-        steps, mean, lo, hi = band(rows, arm, "train", "reverse_kl")
-        if steps:
-            ax_kl.plot(steps, mean, "-", color=COLORS[arm], label=arm)
-            ax_kl.fill_between(steps, lo, hi, color=COLORS[arm], alpha=0.2)
-    ax_kl.set(title="per-call reverse KL to the teacher", xlabel="RL step", ylabel="reverse KL (nats/token)")
+    _lines(ax_kl, rows, ARMS, "train", "reverse_kl", "-")
+    ax_kl.set(title="training reverse KL to the teacher (own rollouts)", xlabel="RL step",
+              ylabel="reverse KL (nats/token)")
     if ax_kl.lines:
         ax_kl.legend()
     else:
         _empty(ax_kl, "reverse KL")
+
+    _lines(ax_held, rows, ARMS, "heldout", "reverse_kl", "o-")
+    ax_held.set(title="held-out reverse KL (fixed start-student rollouts)", xlabel="step",
+                ylabel="KL(model || teacher), nats/token")
+    if ax_held.lines:
+        ax_held.legend()
+    else:
+        _empty(ax_held, "held-out reverse KL")
+
+    if handoff:
+        calls = sorted(handoff)
+        ax_hand.plot(calls, [handoff[t] for t in calls], "o-", color=COLORS["teacher"])
+        ax_hand.set(ylim=(0, 1))
+    else:
+        _empty(ax_hand, "teacher from the student's state")
+    ax_hand.set(title="teacher takes over from the start student at call t", xlabel="t (0: teacher alone; last: student alone)",
+                ylabel="val F1")
 
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

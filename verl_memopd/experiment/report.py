@@ -3,14 +3,19 @@
 The CSV is rebuilt from scratch each time (eval JSONs, arm logs), so a resumed run never holds
 duplicates. One row per (arm, seed, step, split):
 
-    arm      teacher | student (SFT checkpoints; step = SFT step) | memopd | flat | ppo (RL; step = RL step)
+    arm      teacher | student (SFT checkpoints; step = SFT step) | memopd | flat | ppo | opd (RL; step = RL step)
+             | kd (SFT on the teacher's trajectories; step = optimizer step)
     split    val | test: F1/EM of verl's greedy validation (the real agent loop) on that split;
-             train: one RL step (f1 = mean F1 of the step's sampled episodes, ``critic/score/mean``)
+             train: one RL step (f1 = mean F1 of the step's sampled episodes, ``critic/score/mean``);
+             heldout: reverse_kl = KL(model || teacher) on the fixed held-out rollouts (``heldout.py``; step 0 =
+             the start student, the same value for every arm)
     reverse_kl                    actor/memopd/reverse_kl of the step (train rows; empty for ppo)
     teacher_aligned_vs_flat_kl    actor/memopd/audit/teacher_aligned_vs_flat_kl (audited train rows)
     wall_s   train/val rows: training seconds so far (sum of timing_s/step); test and SFT-eval rows:
              wall seconds of the eval (test rows of arms: of the whole arm run, startup included)
 
+``handoff.csv`` (the eval stage, ``heldout.py``): val F1 when the teacher takes over from the start student at
+call t. ``experiment.json``: the experiment's name, base model, arms, seeds and steps (the summary line's ``model=``).
 ``sensitivity.csv`` (the sweep stage) has the same columns; its arm is ``<arm>@<variant>`` (e.g.
 ``memopd@lr3e-5``), its rows train and val only. ``diagnostics.csv`` (the diagnose stage): one row per
 model (teacher, student, ``<arm>_seed<s>``), :data:`DIAGNOSTIC_COLUMNS`; ``call_accuracy.csv`` (also the
@@ -25,12 +30,12 @@ import math
 import statistics
 from pathlib import Path
 
-from verl_memopd.experiment.config import ARMS, ExperimentConfig, Paths
+from verl_memopd.experiment.config import ARMS, KD_ARM, ExperimentConfig, Paths
 from verl_memopd.experiment.launch import read_log, val_scores
 from verl_memopd.launching import parse_steps
 
 __all__ = ["COLUMNS", "DIAGNOSTIC_COLUMNS", "CALL_COLUMNS", "collect_rows", "collect_sweep_rows", "write_metrics",
-           "read_metrics", "summary_lines", "sensitivity_lines", "diagnostic_lines", "call_accuracy_lines",
+           "read_metrics", "summary_lines", "experiment_model", "sensitivity_lines", "diagnostic_lines", "call_accuracy_lines",
            "stage_report"]
 
 COLUMNS = ("arm", "seed", "step", "split", "f1", "em", "reverse_kl", "teacher_aligned_vs_flat_kl", "wall_s")
@@ -74,11 +79,38 @@ def _arm_rows(arm: str, seed: int, run_dir: Path) -> list[Row]:
     return rows
 
 
+def _kd_rows(seed: int, run_dir: Path) -> list[Row]:
+    """The KD arm's val evals at its saved steps and its test eval (``kd.py``)."""
+    rows = []
+    for path in sorted(run_dir.glob("val_step*.json"), key=lambda f: int(f.stem.removeprefix("val_step"))):
+        r = json.loads(path.read_text())
+        rows.append(_row(KD_ARM, seed, r["step"], "val", r["f1"], r["em"], wall_s=r["wall_s"]))
+    if (run_dir / "test.json").is_file():
+        t = json.loads((run_dir / "test.json").read_text())
+        done = json.loads((run_dir / "DONE.json").read_text()) if (run_dir / "DONE.json").is_file() else {}
+        rows.append(_row(KD_ARM, seed, t["step"], "test", t["f1"], t["em"], wall_s=done.get("wall_s")))
+    return rows
+
+
+def _heldout_rows(arm: str, seed: int, run_dir: Path, start: Path) -> list[Row]:
+    """Held-out reverse KL of the arm at step 0 (the start student) and at each saved step."""
+    files = ([start] if start.is_file() else []) + sorted(
+        run_dir.glob("heldout_kl_step*.json"), key=lambda f: int(f.stem.removeprefix("heldout_kl_step")))
+    rows = []
+    for path in files:
+        r = json.loads(path.read_text())
+        rows.append(_row(arm, seed, r["step"], "heldout", reverse_kl=r["heldout_reverse_kl"], wall_s=r["wall_s"]))
+    return rows
+
+
 def collect_rows(cfg: ExperimentConfig, paths: Paths) -> list[Row]:
     rows = _sft_rows(paths)
     for seed in cfg.arms.seeds:
         for arm in cfg.arms.arms:
-            rows += _arm_rows(arm, seed, paths.arm(arm, seed))
+            run_dir = paths.arm(arm, seed)
+            rows += _kd_rows(seed, run_dir) if arm == KD_ARM else _arm_rows(arm, seed, run_dir)
+            if run_dir.is_dir():
+                rows += _heldout_rows(arm, seed, run_dir, paths.evals() / "heldout_kl_student.json")
     return rows
 
 
@@ -130,8 +162,9 @@ def _fmt(x: float | None) -> str:
     return "na" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"
 
 
-def summary_lines(rows: list[Row]) -> list[str]:
-    """The final test-split table; the last line is the machine-readable ``experiment ...`` line."""
+def summary_lines(rows: list[Row], model: str = "na") -> list[str]:
+    """The final test-split table; the last line is the machine-readable ``experiment ...`` line (``model``: the
+    experiment's base model, from ``experiment.json``)."""
     teacher, student = _final(rows, "teacher", "test"), _final(rows, "student", "test")
     lines = [f"{'arm':8} {'seeds':>5} {'steps':>5} {'test F1 mean':>12} {'std':>7} {'test EM':>8} {'wall_s/seed':>11}"]
     means, seeds, steps = {}, set(), set()
@@ -150,9 +183,9 @@ def summary_lines(rows: list[Row]) -> list[str]:
     t = teacher[max(teacher)]["f1"] if teacher else None
     f0 = student[max(student)]["f1"] if student else None
     lines.append(f"teacher (SFT) test F1 {_fmt(t)}; student start (SFT) test F1 {_fmt(f0)}")
-    lines.append(f"experiment seeds={len(seeds)} steps={max(steps, default=0)} teacher_f1={_fmt(t)} "
+    lines.append(f"experiment model={model} seeds={len(seeds)} steps={max(steps, default=0)} teacher_f1={_fmt(t)} "
                  f"start_f1={_fmt(f0)} memopd_f1={_fmt(means['memopd'])} flat_f1={_fmt(means['flat'])} "
-                 f"ppo_f1={_fmt(means['ppo'])}")
+                 f"ppo_f1={_fmt(means['ppo'])} kd_f1={_fmt(means['kd'])} opd_f1={_fmt(means['opd'])}")
     return lines
 
 
@@ -220,12 +253,41 @@ def _write_call_accuracy(cfg: ExperimentConfig, paths: Paths) -> dict[str, list[
     return results
 
 
+def experiment_model(metrics_csv: Path) -> str:
+    """The base model named by ``experiment.json`` next to ``metrics_csv`` ("na" without one)."""
+    meta = metrics_csv.with_name("experiment.json")
+    return json.loads(meta.read_text())["base_model"] if meta.is_file() else "na"
+
+
+def _write_handoff(paths: Paths) -> list[str]:
+    """``handoff.csv`` from ``eval/handoff.json``; the lines of its table ([] before the eval stage ran it)."""
+    source = paths.evals() / "handoff.json"
+    if not source.is_file():
+        return []
+    f1 = json.loads(source.read_text())["f1_by_switch"]
+    with open(paths.results / "handoff.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(("teacher_from_call", "val_f1"))
+        for t, v in f1.items():
+            w.writerow((t, f"{v:.6g}"))
+    return ["teacher takes over at call (val F1): " + " ".join(f"{t}:{_fmt(v)}" for t, v in f1.items()),
+            f"  (0 = the teacher alone, {max(map(int, f1))} = the student alone)"]
+
+
 def stage_report(cfg: ExperimentConfig, paths: Paths) -> None:
     from verl_memopd.experiment.plot import plot_metrics
 
+    paths.results.mkdir(parents=True, exist_ok=True)
+    (paths.results / "experiment.json").write_text(json.dumps(
+        {"name": cfg.name, "base_model": cfg.base_model, "arms": list(cfg.arms.arms), "seeds": list(cfg.arms.seeds),
+         "steps": cfg.arms.steps, "episodes_per_step": cfg.arms.episodes_per_step, "lr": cfg.arms.lr,
+         "arm_overrides": list(cfg.arm_overrides)}, indent=1) + "\n")
     write_metrics(collect_rows(cfg, paths), paths.metrics_csv)
     rows = read_metrics(paths.metrics_csv)
-    plot_metrics(rows, paths.plot)
+    handoff_json = paths.evals() / "handoff.json"
+    handoff = ({int(t): v for t, v in json.loads(handoff_json.read_text())["f1_by_switch"].items()}
+               if handoff_json.is_file() else None)
+    plot_metrics(rows, paths.plot, handoff)
     print(f"[experiment] report: {paths.metrics_csv} ({len(rows)} rows), {paths.plot}")
     sweep = collect_sweep_rows(cfg, paths)
     if sweep:
@@ -240,4 +302,7 @@ def stage_report(cfg: ExperimentConfig, paths: Paths) -> None:
     if calls:
         print(f"[experiment] per-call accuracy from the oracle's state (val): {paths.call_accuracy_csv}")
         print("\n".join(call_accuracy_lines(calls)))
-    print("\n".join(summary_lines(rows)), flush=True)
+    handoff = _write_handoff(paths)
+    if handoff:
+        print("\n".join(handoff))
+    print("\n".join(summary_lines(rows, cfg.base_model)), flush=True)

@@ -1,0 +1,98 @@
+"""Two diagnostics of the teacher's supervision, run with Hugging Face models (``hf_agent.py``).
+
+- **Teacher from the student's state** (``eval/handoff.json``, the eval stage): the start student runs calls
+  ``0..t-1`` of each val episode, then the teacher takes over from call ``t`` (greedy); mean F1 per ``t``
+  (``t = 0``: the teacher alone; ``t = N + 1``: the student alone). The teacher's supervision on the student's
+  rollouts is only useful if the teacher can still answer from the states the student writes.
+- **Held-out reverse KL** (``eval/heldout_rollouts.json``, then ``arms/<arm>_seed<s>/heldout_kl.json``): one fixed
+  set of the start student's sampled rollouts of the val episodes (temperature 1, a fixed seed), and for a model
+  the mean per-token KL(model || teacher) on their sampled tokens, each call run alone in the state it was
+  sampled in. The same tokens for every arm and step, so the values compare across arms (unlike the training
+  KL, which each arm measures on its own rollouts).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from verl_memopd.experiment.config import ExperimentConfig, Paths
+
+__all__ = ["HELDOUT_SEED", "teacher_handoff", "heldout_rollouts", "heldout_kl", "arm_heldout_kl"]
+
+#: sampling seed of the held-out rollouts (fixed: the same tokens in every run of the experiment)
+HELDOUT_SEED = 12345
+
+
+def _val_rows(paths: Paths) -> list[dict]:
+    import pandas as pd
+
+    frame = pd.read_parquet(paths.data / "val.parquet")
+    return [frame.iloc[i].to_dict() for i in range(len(frame))]
+
+
+def teacher_handoff(cfg: ExperimentConfig, paths: Paths, student: Path, teacher: Path) -> dict:
+    """``eval/handoff.json``: ``{"f1_by_switch": {t: F1}, ...}`` (cached)."""
+    from verl_memopd.experiment.hf_agent import handoff_f1, load_model
+    from verl_memopd.experiment.launch import AGENT_TOKENS
+
+    out = paths.evals() / "handoff.json"
+    if out.is_file():
+        return json.loads(out.read_text())
+    started = time.monotonic()
+    print(f"[experiment {time.strftime('%H:%M:%S')}] eval handoff: the teacher takes over from the student at call t "
+          f"(val, greedy, Hugging Face generate)", flush=True)
+    (s_model, tokenizer), (t_model, _) = load_model(student), load_model(teacher)
+    f1 = handoff_f1(_val_rows(paths), s_model, t_model, tokenizer, **AGENT_TOKENS)
+    result = {"student": str(student), "teacher": str(teacher), "split": "val",
+              "f1_by_switch": {str(t): v for t, v in f1.items()}, "wall_s": round(time.monotonic() - started, 1)}
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"[experiment] eval handoff: F1 by the call the teacher takes over at: "
+          + " ".join(f"{t}:{v:.3f}" for t, v in f1.items()), flush=True)
+    return result
+
+
+def heldout_rollouts(cfg: ExperimentConfig, paths: Paths, student: Path):
+    """The fixed held-out rollouts (``eval/heldout_rollouts.json``, cached): a list of ``AgentCall``."""
+    from verl_memopd.experiment.hf_agent import AgentCall, agent_calls, load_model
+    from verl_memopd.experiment.launch import AGENT_TOKENS
+
+    out = paths.evals() / "heldout_rollouts.json"
+    if not out.is_file():
+        model, tokenizer = load_model(student)
+        episodes = agent_calls(_val_rows(paths), [model], tokenizer, sample=True, seed=HELDOUT_SEED, **AGENT_TOKENS)
+        calls = [asdict(c) for e in episodes for c in e.calls]
+        out.write_text(json.dumps({"student": str(student), "seed": HELDOUT_SEED, "calls": calls,
+                                   "student_f1": sum(e.f1 for e in episodes) / len(episodes)}) + "\n")
+    return [AgentCall(**{k: tuple(v) if isinstance(v, list) else v for k, v in c.items()})
+            for c in json.loads(out.read_text())["calls"]]
+
+
+def heldout_kl(cfg: ExperimentConfig, paths: Paths, model_dir: Path, teacher: Path, out_json: Path,
+               meta: dict) -> dict:
+    """Mean per-token KL(model || teacher) on the held-out rollouts (cached in ``out_json``)."""
+    from verl_memopd.experiment.evaluate import start_models
+    from verl_memopd.experiment.hf_agent import load_model, reverse_kl_on_calls
+
+    if out_json.is_file():
+        return json.loads(out_json.read_text())
+    started = time.monotonic()
+    calls = heldout_rollouts(cfg, paths, start_models(cfg, paths)[0])
+    (model, _), (t_model, _) = load_model(model_dir), load_model(teacher)
+    kl = reverse_kl_on_calls(model, t_model, calls)
+    result = {**meta, "heldout_reverse_kl": kl, "tokens": sum(len(c.response_ids) for c in calls),
+              "model": str(model_dir), "wall_s": round(time.monotonic() - started, 1)}
+    out_json.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"[experiment] held-out reverse KL {out_json.parent.name}/{out_json.name}: {kl:.4f}", flush=True)
+    return result
+
+
+def arm_heldout_kl(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, exports: dict[int, Path],
+                   teacher: Path) -> None:
+    """Held-out reverse KL of an arm's model at each of its saved steps (``exports``: step -> HF folder)."""
+    run_dir = paths.arm(arm, seed)
+    for step, model in sorted(exports.items()):
+        heldout_kl(cfg, paths, model, teacher, run_dir / f"heldout_kl_step{step}.json",
+                   {"arm": arm, "seed": seed, "step": step})

@@ -1,0 +1,190 @@
+"""The memory agent run with Hugging Face models directly (no Ray, no vLLM): for the experiment's diagnostics.
+
+The calls are built exactly as the training agent loop builds them (``agent.context.CallContext`` on the
+row's prompt: ``q`` once, then ``[q | memory | chunk]`` per call, the memory being the previous call's
+sampled ids up to its stop token), and scored with the benchmark's F1 (``tasks.reward``). What differs
+from ``verl_memopd.agent.loop``: generation is Hugging Face ``generate`` (batched, left-padded, fp32, CPU), and
+each call may be served by a different model. Three uses:
+
+- **teacher from the student's state** (:func:`handoff_f1`): the student writes memory for calls ``0..t-1``,
+  the teacher takes over from call ``t``; F1 per ``t`` says whether the teacher can still answer from states
+  the student visits (its supervision is only as good as that);
+- **off-policy KD data** (:func:`agent_calls` with the teacher alone, greedy): the teacher's own trajectories
+  as chat rows for verl's SFT trainer;
+- **held-out reverse KL** (:func:`agent_calls` sampled with a fixed seed, then :func:`reverse_kl_on_calls`):
+  one fixed set of the start student's rollouts, on which every arm's model is compared with the teacher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["AgentCall", "AgentEpisode", "load_model", "agent_calls", "handoff_f1", "reverse_kl_on_calls",
+           "sft_rows"]
+
+
+@dataclass(frozen=True)
+class AgentCall:
+    """One call: ``prompt_ids`` (q + context, as sent), ``response_ids`` (as generated, stop id included if
+    the call stopped); ``user`` / ``reply``: the same call as text (the call message with the memory decoded, the
+    reply without its stop token), the shape of the oracle's SFT traces."""
+
+    call: int
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    user: str
+    reply: str
+
+
+@dataclass(frozen=True)
+class AgentEpisode:
+    index: int
+    calls: tuple[AgentCall, ...]
+    answer: str
+    f1: float
+
+
+def load_model(path: Path):
+    """(model, tokenizer) of a Hugging Face folder: fp32, eval mode, sdpa attention (CPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval(), tokenizer
+
+
+def _stop_ids(model, tokenizer) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    ids |= set([eos] if isinstance(eos, int) else (eos or ()))
+    return sorted(i for i in ids if i is not None)
+
+
+def _generate(model, prompts: Sequence[Sequence[int]], budget: int, pad_id: int, stop_ids: list[int],
+              sample: bool, seed: int | None) -> list[tuple[int, ...]]:
+    """Batched generation from token-id prompts (left padded); each reply cut after its first stop id."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=budget, do_sample=sample,
+                             temperature=1.0 if sample else None, top_p=1.0 if sample else None, top_k=0 if sample else None,
+                             eos_token_id=stop_ids, pad_token_id=pad_id)
+    replies = []
+    for row in out[:, width:].tolist():
+        cut = next((j + 1 for j, t in enumerate(row) if t in stop_ids), len(row))
+        replies.append(tuple(row[:cut]))
+    return replies
+
+
+def agent_calls(rows: Sequence[dict], models: Sequence, tokenizer, memory_tokens: int, answer_tokens: int,
+                switch_at: int | None = None, sample: bool = False, seed: int | None = None,
+                batch: int = 32) -> list[AgentEpisode]:
+    """Run the memory agent over ``rows`` (dataset rows: ``prompt``, ``extra_info``, ``reward_model``).
+
+    ``models``: one model, or (first, second) with ``switch_at`` = the first call served by ``second`` (0 = all
+    calls by it; >= the number of calls = none). ``sample``: temperature-1 sampling (seeded by ``seed`` per call
+    batch) instead of greedy. Returns one :class:`AgentEpisode` per row, in order.
+    """
+    from verl_memopd.agent.context import CallContext
+    from verl_memopd.tasks.dataset import parse_row
+    from verl_memopd.tasks.prompts import MemoryPrompts, parse_answers
+    from verl_memopd.tasks.reward import score_answers
+
+    first, second = (models[0], models[-1])
+    out: list[AgentEpisode] = []
+    for start in range(0, len(rows), batch):
+        group = rows[start:start + batch]
+        tasks = [parse_row(r["extra_info"], r["reward_model"]) for r in group]
+        contexts = [CallContext(tokenizer, list(r["prompt"]), MemoryPrompts(), where=t.where) for r, t in zip(group, tasks)]
+        n_calls = {len(t.chunks) + 1 for t in tasks}
+        if len(n_calls) != 1:
+            raise ValueError(f"rows {start}..{start + len(group) - 1}: episodes with different call counts {n_calls} "
+                             "in one batch")
+        n = n_calls.pop()
+        memories: list[tuple[int, ...]] = [()] * len(group)
+        calls: list[list[AgentCall]] = [[] for _ in group]
+        prompts_text = MemoryPrompts()
+        for t in range(n):
+            model = second if switch_at is not None and t >= switch_at else first
+            texts = [tokenizer.decode(m, skip_special_tokens=True) for m in memories]
+            if t < n - 1:
+                prompts = [c.prefix_ids + c.memory_call(m, task.chunks[t], t, n - 1)
+                           for c, m, task in zip(contexts, memories, tasks)]
+                users = [prompts_text.memory_message(x, task.chunks[t], t, n - 1) for x, task in zip(texts, tasks)]
+                budget = memory_tokens
+            else:
+                prompts = [c.prefix_ids + c.answer_call(m) for c, m in zip(contexts, memories)]
+                users = [prompts_text.answer_message(x) for x in texts]
+                budget = answer_tokens
+            stops = _stop_ids(model, tokenizer)
+            replies = _generate(model, prompts, budget, tokenizer.pad_token_id, stops, sample,
+                                None if seed is None else seed * 1000 + start * 10 + t)
+            memories = [r[:-1] if r and r[-1] in stops else r for r in replies]
+            for i, (p, r, u, m) in enumerate(zip(prompts, replies, users, memories)):
+                calls[i].append(AgentCall(t, tuple(p), r, u, tokenizer.decode(m, skip_special_tokens=True)))
+        for i, (task, episode_calls) in enumerate(zip(tasks, calls)):
+            answer = tokenizer.decode(memories[i], skip_special_tokens=True)
+            score = score_answers(parse_answers(answer, len(task.answer_sets)), task.answer_sets, task.answer_modes)
+            out.append(AgentEpisode(start + i, tuple(episode_calls), answer, float(score.f1)))
+    return out
+
+
+def handoff_f1(rows: Sequence[dict], student, teacher, tokenizer, memory_tokens: int, answer_tokens: int,
+               batch: int = 32) -> dict[int, float]:
+    """Mean F1 when the teacher takes over at call ``t`` (greedy), for every ``t`` from 0 (teacher alone) to
+    the number of calls (student alone)."""
+    n = len(rows[0]["extra_info"]["chunks"]) + 1
+    result = {}
+    for t in range(n + 1):
+        episodes = agent_calls(rows, (student, teacher), tokenizer, memory_tokens, answer_tokens, switch_at=t,
+                               batch=batch)
+        result[t] = sum(e.f1 for e in episodes) / len(episodes)
+    return result
+
+
+def reverse_kl_on_calls(model, teacher, calls: Sequence[AgentCall], batch: int = 8) -> float:
+    """Mean per-token KL(model || teacher) over the response tokens of ``calls``, each call run alone at
+    positions 0..n-1 (the state it was sampled in), full vocabulary, fp32."""
+    import torch
+
+    total, count = 0.0, 0
+    for start in range(0, len(calls), batch):
+        group = calls[start:start + batch]
+        seqs = [c.prompt_ids + c.response_ids for c in group]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)] = torch.tensor(s)
+            mask[i, :len(s)] = 1
+        with torch.no_grad():
+            lp_m = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)
+            lp_t = torch.log_softmax(teacher(input_ids=ids, attention_mask=mask).logits.float(), -1)
+        for i, c in enumerate(group):
+            lo, hi = len(c.prompt_ids) - 1, len(c.prompt_ids) + len(c.response_ids) - 1  # positions predicting replies
+            m, t = lp_m[i, lo:hi], lp_t[i, lo:hi]
+            total += float((m.exp() * (m - t)).sum())
+            count += hi - lo
+    return total / max(count, 1)
+
+
+def sft_rows(rows: Sequence[dict], episodes: Sequence[AgentEpisode]) -> list[dict]:
+    """Chat rows for verl's multi-turn SFT trainer from trajectories, shaped like the oracle's traces: per call,
+    ``messages`` = the row's prompt + [user: the call message, assistant: the reply], and ``call`` = its index."""
+    out = []
+    for row, episode in zip(rows, episodes, strict=True):
+        for c in episode.calls:
+            out.append({"messages": [*map(dict, row["prompt"]), {"role": "user", "content": c.user},
+                                     {"role": "assistant", "content": c.reply}], "call": c.call})
+    return out
