@@ -254,6 +254,7 @@ def from_config(config: DictConfig) -> MemopdConfig:
         raise MemopdConfigError("trainer.v1.trainer_mode=memopd needs the memopd: tree; add +recipe=memopd")
     memopd = _build(MemopdConfig, OmegaConf.to_container(node, resolve=True), "memopd")
     _check_agent(memopd.agent)
+    _check_data_needs(config)
     actor = (config.get("actor_rollout_ref") or {}).get("actor") or {}
     if actor.get("use_prefix_grouper", False):
         raise MemopdConfigError("actor_rollout_ref.actor.use_prefix_grouper=true: verl's PrefixGrouper shares a prompt "
@@ -277,6 +278,16 @@ def _check_agent(agent: dict) -> None:
         MemoryAgentConfig.from_mapping(agent)
     except (TypeError, ValueError) as e:
         raise MemopdConfigError(str(e)) from None
+
+
+def _check_data_needs(config: DictConfig) -> None:
+    """Converted data files record the prompt / response lengths their rows need (``tasks.needs``);
+    refuse shorter rollout lengths here, before Ray starts, rather than in the agent loop minutes later."""
+    from verl_memopd.tasks.needs import check_config
+
+    problems = check_config(config)
+    if problems:
+        raise MemopdConfigError("; ".join(problems))
 
 
 class RecipeCheck(Callback):
