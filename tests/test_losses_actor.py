@@ -320,7 +320,15 @@ def test_term_grad_norms_equal_separate_backward_passes():
     out = _model_output(params, data, stream=True)
     stream = out[STUDENT_LOGITS_STREAM]  # both terms are computed from it
     opd = OPDLossConfig(vocab_size=V, coef=COEF)
-    _, metrics = memopd_actor_loss(_actor_config(), opd, out, data, grad_norms=True)
+    loss, metrics = memopd_actor_loss(_actor_config(), opd, out, data, grad_norms=True)
+    loss.backward()  # the step's own backward still works after the norms' passes, and gives the same gradients
+    got = {k: params[k].grad.clone() for k in ("emb", "head")}
+    params["emb"].grad = params["head"].grad = None
+    _, want_grads, _ = _run(params, [data], opd)
+    for k in got:
+        torch.testing.assert_close(got[k], want_grads[k])
+    out = _model_output(params, data, stream=True)  # a fresh graph (the same values: no optimizer step)
+    stream = out[STUDENT_LOGITS_STREAM]
     ppo, _ = ppo_loss(_actor_config(), out, data)
     distill, _ = opd_loss(opd, out, data)
     for name, term in (("ppo", ppo), ("opd", distill)):

@@ -131,12 +131,18 @@ def stage_arms(cfg: ExperimentConfig, paths: Paths) -> None:
 
     check_arm_overrides(tuple(a for a in cfg.arms.arms if a != KD_ARM))
     student, teacher = start_models(cfg, paths)
+    from verl_memopd.experiment.report import stage_report
+
     for seed in cfg.arms.seeds:  # seed-major: a partial run has every arm at the same seeds
         for arm in cfg.arms.arms:
+            if (paths.arm(arm, seed) / "DONE.json").is_file():
+                print(f"[experiment] arm {arm} seed {seed}: done", flush=True)
+                continue
             if arm == KD_ARM:
                 run_kd_arm(cfg, paths, seed, student, teacher)
             else:
                 run_arm(cfg, paths, arm, seed, student, teacher)
+            stage_report(cfg, paths)  # the results folder holds every finished arm's rows as soon as it is done
 
 
 def stage_sweep(cfg: ExperimentConfig, paths: Paths) -> None:

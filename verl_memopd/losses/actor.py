@@ -290,8 +290,10 @@ def _padding_only(data: TensorDict) -> bool:
 def term_grad_norms(policy_loss: torch.Tensor, distill: torch.Tensor, logits: torch.Tensor) -> dict:
     """The gradient norm of each loss term, unweighted, w.r.t. the student's ``logits`` (the tensor both terms are
     computed from: every parameter gradient is this gradient pulled back through the same network, so the two
-    norms compare the terms' pull on the model). Two extra backward passes through the loss ops only (not the
-    model), for audit steps. Metrics ``memopd/grad_norm_logits/{ppo,opd}`` (mean over micro-batches)."""
+    norms compare the terms' pull on the model). Backward passes through the loss ops only (not the model), for
+    audit steps. ``distill`` must be an evaluation of L_OPD of its own (the chunked divergence hands its fused
+    gradients over once, to the one backward that consumes them). Metrics ``memopd/grad_norm_logits/{ppo,opd}``
+    (mean over micro-batches)."""
     norms = {}
     for name, term in (("ppo", policy_loss), ("opd", distill)):
         grad = torch.autograd.grad(term, logits, retain_graph=True, allow_unused=True)[0] if term.requires_grad else None
@@ -315,5 +317,6 @@ def memopd_actor_loss(config, opd_config: OPDLossConfig, model_output: dict, dat
     distill, opd_metrics = opd_loss(opd_config, model_output, data)
     metrics.update(opd_metrics)
     if grad_norms and STUDENT_LOGITS_STREAM in model_output:
-        metrics.update(term_grad_norms(policy_loss, distill, model_output[STUDENT_LOGITS_STREAM]))
+        probe, _ = opd_loss(opd_config, model_output, data)  # a second L_OPD: the first one's gradients are the step's
+        metrics.update(term_grad_norms(policy_loss, probe, model_output[STUDENT_LOGITS_STREAM]))
     return ppo_coef * policy_loss + opd_config.coef * distill, metrics
