@@ -158,14 +158,13 @@ def test_dataset_process_rows_and_longbench_and_memagent_files():
     assert _one("memagent_eval.json").source_id == "0" and _one("memagent_train.parquet").layout == "memagent"
 
 
-def test_a_refused_layout_names_the_fields_the_record_has():
+def test_a_refused_layout_names_the_fields_the_record_has_and_answer_is_read():
     with pytest.raises(ValueError, match=r"missing_field: no context \(context\), no question \(question \| input \| "
                                          r"extra_info.question \| prompt\) \[--format auto\]; the record has "
                                          r"fields \['answers', 'prompt_text'\]: rename them"):
         extract({"prompt_text": "q", "answers": ["a"]})
-    with pytest.raises(ValueError, match=r"an `answer` field but no `answers`.*fields \['answer', 'context', "
-                                         r"'question'\]: rename answer to answers"):
-        extract({"question": "q?", "answer": "a", "context": "plain text"})
+    plain = extract({"question": "q?", "answer": "Velora", "context": "plain text"})  # `answer`: one string
+    assert (plain.layout, plain.answer_sets) == ("jsonl", (("Velora",),))
 
 
 def test_several_files_in_one_call_keep_their_names_and_ids(tmp_path, capsys, tiny_models):

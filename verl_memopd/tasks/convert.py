@@ -320,7 +320,7 @@ def convert_records(records: Sequence[Any], tokenizer: Any, chunk_tokens: int, f
         try:
             record = extract(raw, fmt, options)
             if len(record.context) > LARGE_CONTEXT_CHARS:
-                warnings.append(_large_warning(where, record.context, chunk_tokens, max_chunks))
+                warnings.append(_large_warning(where, record.context, count, chunk_tokens, max_chunks))
                 if on_warning:
                     on_warning(warnings[-1])
             chunks = chunk_text(record.context, tokenizer, chunk_tokens, max_chunks)
@@ -357,8 +357,10 @@ def _place(item: Any, i: int, source: str) -> tuple[Any, str, str, int]:
     return item, f"row {i}", source, i
 
 
-def _large_warning(where: str, context: str, chunk_tokens: int, max_chunks: int | None) -> str:
-    estimate = len(context) // 4 // chunk_tokens + 1  # ~4 characters per token
+def _large_warning(where: str, context: str, count: Callable[[str], int], chunk_tokens: int,
+                   max_chunks: int | None) -> str:
+    sample = context[:20_000]  # tokens per character, measured on the first 20k characters
+    estimate = int(len(context) * count(sample) / len(sample) / chunk_tokens) + 1
     limit = (f"--max-chunks {max_chunks} stops cutting it after {max_chunks} chunks and refuses it" if max_chunks
              else "--max-chunks M would refuse rows with more than M chunks (and stop cutting them early)")
     return (f"warning: {where}: a context of {len(context) / 1e6:.2f} M characters, about {estimate} chunks of "

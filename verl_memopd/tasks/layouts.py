@@ -21,7 +21,8 @@ dataset_process ``question`` + ``solution`` (answers) + ``context`` (MemAgent's
 memagent        ``context`` + ``input`` | ``extra_info.question`` | ``prompt`` +
                 ``answers`` | ``outputs`` | ``reward_model.ground_truth``
                 (MemAgent eval json and training parquet; LongBench)              any
-jsonl           ``context`` + ``question`` + ``answers`` (+ ``answer_mode``)       any, or the record's
+jsonl           ``context`` + ``question`` + ``answers`` (+ ``answer_mode``;       any, or the record's
+                ``auto`` also takes ``answer``, one string, as the answers)
 ==============  ================================================================  =====================
 
 RULER's instruction text is stripped from the question (``--keep-instructions`` keeps it): of its
@@ -115,7 +116,7 @@ FORMATS: dict[str, dict[str, tuple[str, ...]]] = {
     "memagent": {"context": ("context",), "question": ("input", "extra_info.question", "prompt"),
                  "answers": ("answers", "outputs", "reward_model.ground_truth")},
     "auto": {"context": ("context",), "question": ("question", "input", "extra_info.question", "prompt"),
-             "answers": ("answers", "outputs", "solution", "reward_model.ground_truth")},
+             "answers": ("answers", "outputs", "solution", "reward_model.ground_truth", "answer")},
 }
 _ID_FIELDS = ("_id", "id", "index", "extra_info.index")
 
@@ -385,10 +386,6 @@ def extract(record: Any, fmt: str = "auto", options: Options = Options()) -> QAR
         for name, (recognises, read) in LAYOUTS.items():
             if recognises(record):
                 return read(record, options)
-    if fmt == "auto" and "answer" in record and "answers" not in record:
-        raise Refused("missing_field", f"an `answer` field but no `answers`, and the context is not HotpotQA's "
-                      f"[title, sentences] pairs; the record has fields {sorted(record)}: rename answer to answers "
-                      f"(a string or a list of aliases)")
     layout = fmt if fmt != "auto" else "jsonl" if "question" in record else \
         "longbench" if "all_classes" in record else "memagent"
     return generic(record, fmt, options, layout=layout)
