@@ -318,6 +318,9 @@ def test_recorded_needs_bound_the_packed_episode_and_the_recipe_checks_them(tmp_
                                                 rf"data.max_response_length >= {need}"):
         from_config(config(need - 1))
     assert "q takes up to" in check_config(config(need, prompt_length=10))[0]
+    changed = config(need - 1)
+    changed.memopd.agent.prompts = {"write_instruction": "Update the memory."}
+    assert check_config(changed) == []  # measured with the default per-call texts: not checked under others
 
 
 # --- 11. sentence ends ----------------------------------------------------------------------
