@@ -6,7 +6,8 @@ Registered with verl's trainer registry; the recipe selects it with
     rollout (memory agent, vLLM)      rows = episodes (one verl row each)
     reward (final-answer F1)
     + restore each row's layout: positions, segments, teacher mask                  (rows.py)
-    old log-probs (actor, packed)     + teacher scoring: its supervision at m_T            (teacher.py)
+    old log-probs (actor, packed;     + teacher scoring: its supervision at m_T            (teacher.py)
+      the rollout's own under verl's bypass mode, recomputed on audit steps)
                                         (teacher.state=flat: the rows laid out flat for the teacher
                                         alone, then the student's layout restored)
     ref log-probs / values (packed)
@@ -21,6 +22,8 @@ Checkpoints, resume, logging and validation are verl's (``PPOTrainerSync``).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import ray
 import transfer_queue as tq
@@ -175,7 +178,8 @@ class MemopdTrainer(PPOTrainerSync):
             put_rce_records(batch)  # each row's invocation records: the alone pass is built from them
             batch.extra_info[RCE_FLAG] = True  # the actor engine re-runs every call alone (audit.py)
         meta = batch
-        batch = super()._compute_old_log_prob(batch, metrics)
+        with self._recompute_old_log_probs(audit):
+            batch = super()._compute_old_log_prob(batch, metrics)
         if rce:
             meta.extra_info.pop(RCE_FLAG, None)  # not for the reference / critic forwards
             batch.extra_info.pop(RCE_FLAG, None)
@@ -187,6 +191,21 @@ class MemopdTrainer(PPOTrainerSync):
         if self.teacher_wg is not None:
             self._teacher_step(batch, audit)
         return batch
+
+    @contextmanager
+    def _recompute_old_log_probs(self, audit: bool):
+        """verl's bypass mode (``algorithm.rollout_correction.bypass_mode=true``) takes the rollout's log-probs as
+        the old ones and skips the actor's forward pass. The audits ride on that pass (the RCE spot-check, the
+        rollout vs trainer log-prob match), so audit steps still run it, with bypass off for that call only."""
+        corr = self.config.algorithm.get("rollout_correction", None)
+        if not (audit and corr is not None and corr.get("bypass_mode", False)):
+            yield
+            return
+        corr.bypass_mode = False
+        try:
+            yield
+        finally:
+            corr.bypass_mode = True
 
     def _teacher_step(self, batch, audit: bool) -> None:
         """The teacher's passes of the step (:func:`teacher_passes`): the supervision under the teacher's
