@@ -125,7 +125,8 @@ def test_hotpotqa_json_pairs_and_parquet_struct_become_documents():
     assert pairs.context == struct.context == expected
     assert (pairs.questions, pairs.answer_sets, pairs.source_id) == (
         (src.DOCS[1][2],), (("Mara Tovin",),), "5a8b57f25542995d1e6f1371")
-    assert (struct.layout, struct.source_id, struct.answer_sets) == ("hotpotqa", "5a8c7595554299585d9e36b6", (("seven",),))
+    assert (struct.layout, struct.source_id, struct.answer_sets) == (
+        "hotpotqa", "5a8c7595554299585d9e36b6", (("seven",),))
 
 
 def test_longbench_v2_options_go_into_the_question_and_the_gold_is_the_option_text():
@@ -242,8 +243,9 @@ def test_an_existing_output_is_refused_unless_overwrite_and_never_left_stale(tmp
     out_file = tmp_path / "o" / "train.parquet"
     before = out_file.read_bytes()
     rc, out = _cli(capsys, FIX / "memagent_eval.json", *common)
-    assert rc == 1 and out == [f"{out_file} already exists (2 rows): nothing converted; pass --overwrite to replace it, "
-                               "or choose another --out / --split"] and out_file.read_bytes() == before
+    assert rc == 1 and out_file.read_bytes() == before and out == [
+        f"{out_file} already exists (2 rows): nothing converted; pass --overwrite to replace it, or choose another "
+        "--out / --split"]
     rc, out = _cli(capsys, FIX / "memagent_eval.json", *common, "--overwrite")
     assert rc == 0 and [r["extra_info"]["source_file"] for r in read_rows(out_file)] == ["memagent_eval"] * 2
     bad = tmp_path / "bad.jsonl"
@@ -294,7 +296,8 @@ def test_recorded_needs_bound_the_packed_episode_and_the_recipe_checks_them(tmp_
                                            f"answer_tokens=8") for line in out)
     worst = 0
     for row in read_rows(path):  # every memory call writes its whole budget: the packed response is the bound
-        ctx, chunks, memory, calls = CallContext(tokenizer, row["prompt"], MemoryPrompts()), row["extra_info"]["chunks"], (), []
+        ctx, chunks = CallContext(tokenizer, row["prompt"], MemoryPrompts()), row["extra_info"]["chunks"]
+        memory, calls = (), []
         for t, chunk in enumerate(chunks):
             x = ctx.memory_call(memory, chunk, t, len(chunks))
             memory = tuple(range(5, 5 + 24))
@@ -330,8 +333,8 @@ def test_cuts_respect_abbreviations_other_scripts_and_words(tokenizer):
     assert units == ["He joined the U.S. Geological Survey in 1990.", " Dr. Smith met J. R. R. Tolkien.",
                      " It weighs approx. three tons.", " Mr. Lee left!"]
     zh = [r.value for r in read_located(FIX / "longbench.jsonl")][1]["context"]
-    assert split_units(zh) == ["青河镇位于北部海岸。", "它建于一二零四年，由渔民建立。", "镇上以盐市场闻名！", "灯塔很高吗？",
-                               "是的，灯塔很高。", "每年春天，学生们会走到山上。"]
+    assert split_units(zh) == ["青河镇位于北部海岸。", "它建于一二零四年，由渔民建立。", "镇上以盐市场闻名！",
+                               "灯塔很高吗？", "是的，灯塔很高。", "每年春天，学生们会走到山上。"]
     words = "harbour lighthouse fishermen " * 12
     chunks = chunk_text(words, tokenizer, 10)
     assert all(c.split() and set(c.split()) <= {"harbour", "lighthouse", "fishermen"} for c in chunks)

@@ -64,7 +64,8 @@ MANY_CHUNKS = 200
 
 # Latin sentence ends: . ! ? (closing quotes/brackets), then whitespace. Other scripts: no space needed.
 _SENTENCE_END = re.compile(r"[.!?\u2026][\"'\u201d\u2019)\]]*(?=\s)")
-_WIDE_END = re.compile(r"[\u3002\uff01\uff1f\uff0e\uff61\u0964\u0965\u061f\u06d4][\u300d\u300f\u201d\u2019\uff09)\]\u3011\"']*")
+_WIDE_END = re.compile(r"[\u3002\uff01\uff1f\uff0e\uff61\u0964\u0965\u061f\u06d4]"  # 。！？．｡ । ॥ ؟ ۔
+                       r"[\u300d\u300f\u201d\u2019\uff09)\]\u3011\"']*")
 _BLANK_LINE = re.compile(r"\n[ \t]*\n")
 _NEXT_CHAR = re.compile(r"\s*(\S)")
 #: Words after which a period does not end a sentence (lower-case, without the period).

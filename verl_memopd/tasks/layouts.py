@@ -266,7 +266,8 @@ _V = r"[\w-]+"
 #: (task, answer mode, pattern): RULER's task templates (NVIDIA ``scripts/data/synthetic/constants.py``,
 #: MemAgent ``taskutils/memory_data/synthetic/constants.py``, singular niah variants included).
 #: Groups: ``context`` (the documents, when inside ``input``) and ``question`` (what is kept).
-RULER_TEMPLATES: tuple[tuple[str, str, re.Pattern], ...] = tuple((task, mode, re.compile(p, re.S)) for task, mode, p in (
+RULER_TEMPLATES: tuple[tuple[str, str, re.Pattern], ...] = tuple(
+    (task, mode, re.compile(p, re.S)) for task, mode, p in (
     ("niah", "all", rf"(?:Some|A) special magic {_V} (?:are|is) hidden within the following text\. Make sure to "
                     rf"memorize it\.(?: I will quiz you about the {_V} afterwards\.)?(?P<context>.*?)"
                     rf"(?P<question>What (?:are all|is) the special magic {_V} for .+? mentioned in the provided "
