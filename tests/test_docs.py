@@ -1,5 +1,5 @@
 """The documentation a user reads is self-contained: the README keeps CI's test command, its links and the
-docs' links resolve inside the repository, and no tracked file points outside it (``../shared`` etc.)."""
+docs' links resolve inside the repository, and no tracked file points at notes outside it."""
 
 from __future__ import annotations
 
