@@ -44,6 +44,7 @@ stop ids; ``prompts`` ({}) overrides of the per-call ``MemoryPrompts`` fields (`
 refused here). A call that ends early on a token outside this set raises (its last token would
 otherwise be kept as memory). Rollout requirements: ``actor_rollout_ref.rollout.calculate_log_probs=True``;
 ``prompt_length`` >= |q| and ``response_length`` >= the packed response (both checked).
+An error raised by an episode is recorded for the job's top-level error (``agent.errors``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
 from verl.utils.model import get_generation_config
 
+from verl_memopd.agent import errors as agent_errors
 from verl_memopd.agent.context import CallContext
 from verl_memopd.packing import pack_episode
 from verl_memopd.records import Episode, Invocation
@@ -133,6 +135,13 @@ class MemoryAgentLoop(AgentLoopBase):
             raise ValueError("memory agent: the tokenizer has no eos token and memopd.agent.stop_token_ids is empty")
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        try:
+            return await self._run(sampling_params, **kwargs)
+        except Exception as e:  # verl logs it in this worker only; keep it for the job's top-level error
+            agent_errors.record(f"{type(e).__name__}: {e}")
+            raise
+
+    async def _run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         task = parse_row(kwargs.get("extra_info"), kwargs.get("reward_model"))
         ctx = CallContext(self.tokenizer, kwargs["raw_prompt"], self.agent_config.prompts,
                           self.apply_chat_template_kwargs, where=task.where)

@@ -34,6 +34,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.debug import marked_timer
 
+from verl_memopd.agent import errors as agent_errors
 from verl_memopd.losses.actor import OPDLossConfig
 from verl_memopd.trainer.audit import (
     RCE_FIELD,
@@ -85,7 +86,8 @@ class MemopdTrainer(PPOTrainerSync):
         # PPOTrainerSync under its own registry name, so it reports verl's sync mode from here on.
         self.trainer_mode = "sync"
         self.parameter_sync_step = 1
-        return super()._build_replay_buffer()
+        # verl reports rollouts that all failed without their cause; the agent loop recorded it
+        return agent_errors.surface_in(super()._build_replay_buffer())
 
     # --- workers ----------------------------------------------------------------------------
     def _init_resource_pool_mgr(self):
