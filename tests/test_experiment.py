@@ -334,3 +334,20 @@ def test_heavy_commands_are_bounded_after_the_lock(tmp_path, monkeypatch):
     assert "hello" in log.read_text() and 0 <= heavy_wall_s(log) < 30
     with pytest.raises(RuntimeError, match="exit status 124"):  # coreutils timeout's status
         run_logged(heavy(["sleep", "30"], 1), log, dict(os.environ), None)
+
+
+@pytest.mark.parametrize("keep, files, kept", [
+    ("actor/huggingface", ["global_step_5/actor/huggingface/config.json", "global_step_5/actor/model_rank_0.pt",
+                           "global_step_5/critic/model_rank_0.pt", "global_step_5/data.pt", "latest.txt"],
+     ["global_step_5/actor/huggingface/config.json", "global_step_5/data.pt", "latest.txt"]),
+    ("huggingface", ["global_step_5/huggingface/config.json", "global_step_5/model_rank_0.pt", "global_step_5/optim.pt"],
+     ["global_step_5/huggingface/config.json"]),
+])
+def test_prune_keeps_only_the_hugging_face_exports(tmp_path, keep, files, kept):
+    from verl_memopd.experiment.arms import prune_checkpoints
+
+    for f in files:
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text("x")
+    prune_checkpoints(tmp_path, keep)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()) == kept

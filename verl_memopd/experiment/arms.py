@@ -113,17 +113,17 @@ def run_arm(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, t
     prune_checkpoints(run_dir / "checkpoints")
 
 
-def prune_checkpoints(checkpoints: Path) -> None:
-    """After an arm is done: drop its resumable state (FSDP shards, optimizer, the critic), keep the actor's
-    Hugging Face exports (evaluated, diagnosed) -- ~3 GB less per arm of a 135M-parameter model."""
+def prune_checkpoints(checkpoints: Path, keep: str = "actor/huggingface") -> None:
+    """After an arm is done: drop its resumable state (FSDP shards, optimizer, the critic), keep the Hugging Face
+    exports (``global_step_*/<keep>``: evaluated, diagnosed) -- ~3 GB less per arm of a 135M-parameter model."""
     import shutil
 
     for step_dir in checkpoints.glob("global_step_*"):
-        for role_dir in (p for p in step_dir.iterdir() if p.is_dir()):
-            keep = role_dir / "huggingface" if role_dir.name == "actor" else None
-            for item in role_dir.iterdir() if keep is not None else [role_dir]:
-                if item != keep:
-                    shutil.rmtree(item) if item.is_dir() else item.unlink()
+        kept = step_dir / keep
+        for item in list(step_dir.rglob("*")):
+            if item.exists() and item != kept and kept not in item.parents and item not in kept.parents and \
+                    item.name != "data.pt":
+                shutil.rmtree(item) if item.is_dir() else item.unlink()
 
 
 def stage_arms(cfg: ExperimentConfig, paths: Paths) -> None:

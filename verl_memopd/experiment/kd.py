@@ -109,3 +109,6 @@ def run_kd_arm(cfg: ExperimentConfig, paths: Paths, seed: int, student: Path, te
         done["test_f1"] = eval_model(final, paths.data / "test.parquet", run_dir / "test.json", cfg, paths,
                                      {"role": KD_ARM, "seed": seed, "step": sft.steps, "split": "test"})["f1"]
     (run_dir / "DONE.json").write_text(json.dumps(done) + "\n")
+    from verl_memopd.experiment.arms import prune_checkpoints
+
+    prune_checkpoints(run_dir / "sft" / "checkpoints", keep="huggingface")
