@@ -342,3 +342,34 @@ def test_per_call_execution_reads_back_the_packed_order(model):
     torch.testing.assert_close(inputs["input_ids"][0, index], torch.cat([r[0] for r in rows]))
     alone = model(**inputs, use_cache=False).logits[:, index][0]
     torch.testing.assert_close(alone, _stream_logits(model, rows)[0], atol=1e-4, rtol=1e-4)
+
+
+def test_put_rce_records_writes_each_rows_records_into_transfer_queue(monkeypatch):
+    """The trainer's side of the wiring (``put_rce_records``, called on audit steps before the old-log-prob
+    forward): the rows' extra_fields are read from TransferQueue, their record fields written back, padding
+    rows without calls; what the engine then reads back (``micro_batch_records``) is each episode's calls."""
+    import sys
+
+    from verl_memopd.trainer.audit import put_rce_records
+
+    episodes = random_episodes(2, VOCAB, 31, SHAPE)
+    store = {"extra_fields": [{"memopd_episode": ep.to_dict()} for ep in episodes] + [{"memopd_episode": {}}]}
+    written = {}
+
+    def kv_batch_get(keys, partition_id, select_fields):
+        assert select_fields == ["extra_fields"] and partition_id == "train_0"
+        return {"extra_fields": store["extra_fields"]}
+
+    def kv_batch_put(keys, partition_id, fields):
+        written.update(keys=keys, fields=fields)
+
+    monkeypatch.setitem(sys.modules, "transfer_queue", SimpleNamespace(kv_batch_get=kv_batch_get,
+                                                                       kv_batch_put=kv_batch_put))
+    batch = SimpleNamespace(keys=["u0_0_0", "u1_0_0", "pad"], partition_id="train_0",
+                            tags=[{}, {}, {"is_padding": True}])
+    put_rce_records(batch)
+    assert written["keys"] == batch.keys
+    decoded = micro_batch_records(written["fields"])
+    assert [len(d) for d in decoded] == [len(episodes[0].invocations), len(episodes[1].invocations), 0]
+    first = episodes[0].invocations[0]
+    assert decoded[0][0].ids.tolist() == list(first.prompt_ids + first.response_ids)
