@@ -6,24 +6,9 @@ this module: the offline audit (``python -m verl_memopd.rce``) and the in-traini
 trainer wires into the actor's old-log-prob forward (``verl_memopd.trainer.audit``). It imports
 neither verl nor the trainer.
 
-The tolerance rule, per call (all maxima over the call's action tokens and the vocabulary)
-    fp32 logits: ``max |l_packed - l_alone| <= 1e-4`` (``TOLERANCES``; packed and alone differ only in
-        summation order, ~1e-6 measured).
-    bf16 / fp16 logits: flash-attention's own test rule. The alone pass runs twice, in the model's
-        dtype (``l_alone``) and upcast to fp32 (``l_ref``, same weights); a correct packed pass is as far
-        from ``l_ref`` as the stock low-precision computation is::
-
-            max |l_packed - l_ref| <= k * max |l_alone - l_ref| + eps,   eps = e * u * max |l_ref|
-
-        with ``u`` the dtype's unit roundoff (2^-8 bf16, 2^-11 fp16) -- ``NOISE_FLOOR_RULES``: k = 3,
-        e = 4. ``k``: the packed and the alone pass round differently (other kernels, other shapes),
-        so their errors are of the same size but not equal; flash-attention's tests use 2, and the
-        measured ratio of clean calls stayed below 1.6 (README, RCE section). ``eps``: a call whose two
-        low-precision passes happen to round alike (``l_alone == l_ref`` to the last bit on a short
-        call) would otherwise get a zero bound; 4 ulps of its largest logit.
-        The bound scales with the model's own rounding error, so it neither passes real faults on
-        a small model (the old ``8 * 2^-7 * max |l|`` did) nor runs out on a large one.
-    A call whose action tokens or token ids do not match its record fails with an infinite difference.
+The tolerance rule (fp32: ``TOLERANCES``; bf16 / fp16: ``NOISE_FLOOR_RULES``, the measured noise floor of
+the model's own low-precision pass against an fp32 reference of the same weights) is stated, justified
+and measured in one place: the ``verl_memopd.rce`` module docstring (and the README's RCE section).
 
 Per call the audits also report ``max_kl`` (``max_k KL(p_alone || p_packed)`` of the next-token
 distributions) and ``top1_agreement`` (share of action tokens whose argmax agrees): what training
@@ -101,7 +86,7 @@ class NoiseFloorRule:
         return self.k * alone_err + self.eps_ulps * self.unit * ref_max_abs
 
 
-#: The low-precision rule (module docstring): k = 3, eps = 4 ulps of the call's largest fp32 logit.
+#: The low-precision rule (``verl_memopd.rce`` docstring): k = 3, eps = 4 ulps of the call's largest fp32 logit.
 NOISE_FLOOR_RULES: dict[torch.dtype, NoiseFloorRule] = {
     torch.bfloat16: NoiseFloorRule(k=3.0, eps_ulps=4.0, unit=2.0 ** -8),
     torch.float16: NoiseFloorRule(k=3.0, eps_ulps=4.0, unit=2.0 ** -11),

@@ -19,18 +19,23 @@ over the call's action tokens and the vocabulary:
 - fp32 logits: ``max |l_packed - l_alone| <= 1e-4`` (``TOLERANCES``): packed and alone differ only in
   summation order (~1e-6 measured).
 - bf16 / fp16 logits: flash-attention's test rule. The alone pass runs twice, in the model's dtype
-  (``l_alone``) and with the same weights upcast to fp32 (``l_ref``)::
+  (``l_alone``) and with the same weights upcast to fp32 (``l_ref``; the in-training check uses TF32
+  products with fp32 accumulation on CUDA, ``audit.reference_precision``: on an H200 the floor of a
+  random 3B model came out 0.2534 vs 0.2521 with exact fp32, at 2.2x less time)::
 
       max |l_packed - l_ref| <= k * max |l_alone - l_ref| + eps,   eps = e * u * max |l_ref|
 
   ``k = 3``, ``e = 4``, ``u`` the unit roundoff (2^-8 bf16, 2^-11 fp16) (``audit.NOISE_FLOOR_RULES``).
   ``k``: packed and alone round differently (other kernels, other shapes), so a correct packed pass
   is off by the same order as the stock low-precision pass, not by the same amount; flash-attention
-  uses 2; clean calls measured up to ~1.3x the floor on the tiny student, so 3 leaves room without
-  reaching the faults (README, RCE section). ``eps``: 4 ulps of the call's largest logit, for short
-  calls whose two low-precision passes happen to round alike (a zero floor). The bound follows the
-  model's own rounding error: it does not pass real faults on a small model (the old
-  ``8 * 2^-7 * max |l|`` bound did) nor run out on a large one.
+  uses 2. Measured, clean calls needed at most ``k_needed`` = max |l_packed - l_ref| / |l_alone - l_ref|
+  = 1.14 (random Qwen2.5-3B shape, 18-20k-token episodes), 1.2 (7B shape), 1.3 (tiny student): 3
+  leaves room, and the faults measured need 9-30 (3B). ``eps``: 4 ulps of the call's largest logit, for
+  short calls whose two low-precision passes round alike (a zero floor). The bound follows the
+  model's own rounding error: it does not pass real faults on a small model nor run out on a large
+  one, as the old ``8 * 2^-7 * max |l|`` did (clean 3B / 7B runs used 0.80 / 0.75 of it; now 0.34 /
+  0.37 of the new bound). Not covered: under FSDP mixed precision (verl's GPU default) the in-training
+  check cannot upcast the sharded parameters and falls back to the old bound, with a warning.
 - A call whose action tokens or token ids do not match its record fails (infinite difference).
 
 Per call both audits also report ``max_kl`` (max over its action tokens of ``KL(p_alone || p_packed)``)
@@ -42,7 +47,8 @@ token, one call block reversed -- applied after the layout checks, as a bug past
 attention-backend faults (softmax scale 1.5, GQA heads mixed up, a call block that also sees its
 predecessor; backends registered only for the test), runs the offline audit and the in-training
 check (``verl_memopd.audit.rce_spot_check``, whose alone pass is rebuilt from the records, never from
-the packed rows) on each, and requires each fault detected by both and the clean run passing::
+the packed rows) on each, and requires each fault detected by both and the clean run passing (the
+model: the random tiny student with its q/k projections scaled, ``SELF_TEST_QK_SCALE`` says why)::
 
     python -m verl_memopd.rce --self-test --dtype bfloat16
     ...
