@@ -6,9 +6,9 @@ plain causal attention -- what the rollout engine saw. :func:`calls_alone` lays 
 a micro-batch as one stream of such sequences (``q`` repeated once per call), so that
 ``memopd.layout=per_call`` runs every forward of actor, reference, critic and teacher this way and
 reads each packed token's output back with ``index`` (the paper's per-call baseline for the packing
-speed-up, with otherwise identical rows, losses and metrics). (The RCE spot-check does not use this
-stream: its alone pass must not run through the ``memopd_*`` attention it audits; see
-``verl_memopd.trainer.audit.alone_calls``.)
+speed-up, with otherwise identical rows, losses and metrics). (The RCE check does not use this
+stream: its alone pass is rebuilt from the invocation records and must not run through the ``memopd_*``
+attention it audits; see ``verl_memopd.audit.record_calls``.)
 
 A row without call blocks (verl's synthetic padding rows) is its own plain causal sequence.
 """
