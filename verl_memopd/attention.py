@@ -205,8 +205,11 @@ def call_varlen_attn(varlen_attn: Callable, q: torch.Tensor, k: torch.Tensor, v:
     - torch 2.10: ``(..., max_q, max_k, is_causal=False, return_aux=None)`` -- no ``scale``: q is pre-scaled
       by ``scale / D**-0.5`` (the kernel applies its default ``D**-0.5``);
     - torch 2.11: ``(..., *, return_aux=None, scale=None, window_size=(-1, -1))`` -- causal is
-      ``window_size=(-1, 0)``; no ``enable_gqa``: K/V heads are repeated to Hq here (``repeat_interleave``,
-      query head h reads KV head ``h // (Hq // Hkv)``, SDPA's GQA convention);
+      ``window_size=(-1, 0)``; no ``enable_gqa``: with fewer K/V heads the private op underneath
+      (``torch.ops.torch_attn._varlen_attn``, whose flash kernel takes them natively, query head h reading
+      KV head ``h // (Hq // Hkv)``, SDPA's GQA convention) is called directly (``_private_varlen_gqa``);
+      without that op the K/V heads are repeated to Hq here (``repeat_interleave``: on an H200, 8 layers of
+      Qwen2.5-3B's 16 / 2 heads, that repeat and its backward cost ~8% of a packed actor step);
     - torch 2.12+: adds ``enable_gqa`` (K/V passed with Hkv heads).
 
     Both causal spellings reach ``aten._flash_attention_forward(..., is_causal=True)``, whose causal mask is
@@ -232,10 +235,45 @@ def call_varlen_attn(varlen_attn: Callable, q: torch.Tensor, k: torch.Tensor, v:
             raise PackedAttentionError(f"{hq} query heads are not a multiple of {hkv} key/value heads")
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
+        elif (native := _private_varlen_gqa(varlen_attn, kwargs)) is not None:
+            return native(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k)
         else:
             k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)  # (Nk, Hq, D)
     return varlen_attn(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
                        **kwargs)
+
+
+def _private_varlen_gqa(varlen_attn: Callable, public_kwargs: dict) -> Optional[Callable[..., torch.Tensor]]:
+    """torch 2.11's ``torch.ops.torch_attn._varlen_attn`` (what ``varlen_attn`` calls; autograd registered)
+    as ``f(q, k, v, cu_q, cu_k, max_q, max_k) -> out`` with the public call's causal mask and scale, K/V at
+    their own head count; None where ``varlen_attn`` is not the installed torch's own, this torch has no
+    such op, or its schema cannot say causal."""
+    try:
+        from torch.nn.attention import varlen
+
+        if varlen_attn is not varlen.varlen_attn:
+            return None
+        op = torch.ops.torch_attn._varlen_attn
+        names = [a.name for a in op.default._schema.arguments]
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    if "is_causal" not in names and "window_size" not in names:
+        return None
+    kwargs: dict[str, object] = {}
+    if "is_causal" in names:
+        kwargs["is_causal"] = True
+    if "window_size" in names:
+        kwargs["window_size"] = list(public_kwargs.get("window_size", (-1, 0)))
+    if "scale" in public_kwargs and "scale" in names:
+        kwargs["scale"] = public_kwargs["scale"]
+    elif "scale" in public_kwargs:
+        return None
+
+    def call(*args) -> torch.Tensor:
+        out = op(*args, **kwargs)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    return call
 
 
 # --- running a model on a layout ------------------------------------------------------------------

@@ -423,14 +423,15 @@ def packing_check(backend: str = "flash_attn", episodes: int = 8, layers: int = 
 def kl_check(vocab: int = QWEN_3B.vocab, hidden: int = QWEN_3B.hidden, teacher_hidden: int = 3584,
              tokens: int = 4096, seed: int = 0) -> dict:
     """Ours in bf16 vs naive fp32 (memory, time) and vs plain bf16 PyTorch (error), ``bench.kl``'s CUDA variants."""
-    from verl_memopd.bench.kl import _cuda_inputs, _cuda_measure, _cuda_step
+    from verl_memopd.bench.kl import _cuda_inputs, _cuda_measure, _cuda_prepare, _cuda_run
     from verl_memopd.losses.chunked import CUDA_TOKEN_CHUNK
 
     x = _cuda_inputs(argparse.Namespace(seed=seed, tokens=tokens, hidden=hidden, teacher_hidden=teacher_hidden,
                                         vocab=vocab))
     runs = {}
     for variant in ("naive/float32", "naive/bfloat16", f"chunked/bfloat16/{CUDA_TOKEN_CHUNK}"):
-        out, sec, peak = _cuda_measure(lambda v=variant: _cuda_step(v, x, CUDA_TOKEN_CHUNK), warmup=1, repeats=3)
+        out, sec, peak = _cuda_measure(lambda v=variant: _cuda_prepare(v, x),
+                                       lambda i, v=variant: _cuda_run(v, i, CUDA_TOKEN_CHUNK), warmup=1, repeats=3)
         runs[variant.split("/")[0] + "_" + variant.split("/")[1]] = (out, sec, peak)
         torch.cuda.empty_cache()
     (ref, ref_s, ref_peak), (plain, _, _), (ours, ours_s, ours_peak) = runs.values()

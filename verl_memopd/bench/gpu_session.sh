@@ -9,8 +9,8 @@
 #   gpucheck    python -m verl_memopd.gpucheck (every check this image can run; SKIP lines for the rest)
 #   kl          bench kl --device cuda: naive, ours at several token chunks (fp32, bf16), Liger-Kernel; profile
 #   attention   bench attention: torch_varlen's K/V head repeat vs native GQA (vs flash-attn when installed)
-#   packing     bench packing --device cuda, 8 layers of Qwen2.5-3B: bench shape (+ profiler tables) and the
-#               GRPO group shape (8 samples sharing q, q = 2 blocks, 2 calls)
+#   packing     bench packing --device cuda, 8 layers of Qwen2.5-3B, with profiler tables: the bench shape
+#               (32 episodes) and the GRPO group shape (64 episodes, groups of 8 sharing q, q = 2 blocks, 2 calls)
 set -uo pipefail
 out="${OUT:-gpu_session_out}"
 mkdir -p "$out"
@@ -28,7 +28,7 @@ step() {  # step NAME SECONDS COMMAND...: log to $out/NAME.log, print its rc, wa
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   rc=$?
   echo "== $name rc=$rc wall_s=$(( $(date +%s) - start ))"
-  grep -E "^(gpucheck|kl |attention |packing)" "$out/$name.log" | grep -v "^packing: profile" | cut -c1-400
+  grep -E "^(gpucheck|kl |attention |packing)" "$out/$name.log" | grep -v " profile of " | cut -c1-400
   [ "$rc" = 0 ] || tail -n 5 "$out/$name.log"
 }
 
@@ -36,9 +36,11 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'transformers', transformers.__version__, torch.cuda.get_device_name(0))" 2>&1 | tee "$out/versions.txt"
 step gpucheck 150 python -m verl_memopd.gpucheck --workdir /tmp/memopd_gpucheck
-step kl 120 python -m verl_memopd.bench kl --device cuda --token-chunks 128,256,512,1024 --profile
+step kl 120 python -m verl_memopd.bench kl --device cuda --token-chunks 256,384,512,768 --token-chunk 512 --profile
 step attention 45 python -m verl_memopd.bench attention
-step packing_bench 120 python -m verl_memopd.bench packing --device cuda --model-shape qwen2.5-3b --layers 8 \
-  --episodes 8 --repeats 7 --profile
-step packing_group 90 python -m verl_memopd.bench packing --device cuda --model-shape qwen2.5-3b --layers 8 \
-  --episodes 8 --group-size 8 --q-ratio 2 --calls 2 --repeats 7
+# 32 episodes (~24k packed tokens, a real micro-batch's budget: the recipe's ppo_max_token_len_per_gpu) keep
+# the step GPU-bound; at 8 the eager model's kernel launches dominate the packed step.
+step packing_bench 150 python -m verl_memopd.bench packing --device cuda --model-shape qwen2.5-3b --layers 8 \
+  --episodes 32 --repeats 5 --profile
+step packing_group 120 python -m verl_memopd.bench packing --device cuda --model-shape qwen2.5-3b --layers 8 \
+  --episodes 64 --group-size 8 --q-ratio 2 --calls 2 --repeats 5 --profile

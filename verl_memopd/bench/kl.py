@@ -28,7 +28,8 @@ also chunks the vocabulary (C columns). Ends with::
 
 On CUDA (``--device cuda``; defaults: the issue's shapes, N = 4096 positions, student H = 2048 =
 Qwen2.5-3B, teacher H = 3584 = Qwen2.5-7B) everything runs in this process: peak memory =
-``torch.cuda.max_memory_allocated`` during a step minus the allocation before it, time = the median
+``torch.cuda.max_memory_allocated`` during a step minus the allocation before it (the inputs, cast to
+the variant's dtype, already allocated; the gradients count), time = the median
 wall time of ``--repeats`` steps after ``--warmup`` (synchronised). The inputs are drawn once in fp32
 and rounded to bf16; the fp32 variants get those bf16 values upcast, so every variant sees the same
 numbers and ``naive/float32`` is the exact reference. Variants, each a line::
@@ -196,11 +197,17 @@ def _cuda_inputs(args: argparse.Namespace, device: str = "cuda") -> dict[str, to
     return {k: (torch.randn(*shape, generator=g, device=device) * sc).bfloat16().float() for k, (shape, sc) in draw.items()}
 
 
-def _cuda_step(variant: str, x: dict[str, torch.Tensor], chunk: int) -> dict[str, torch.Tensor]:
-    """One forward + backward of ``variant`` (``kind/dtype[/chunk]``) on x cast to its dtype -> loss, grads."""
-    kind, dtype = variant.split("/")[:2]
-    hs, ws = (x[k].to(getattr(torch, dtype), copy=True).requires_grad_() for k in ("hs", "ws"))
-    ht, wt = (x[k].to(getattr(torch, dtype)) for k in ("ht", "wt"))
+def _cuda_prepare(variant: str, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The inputs of ``variant`` (``kind/dtype[/chunk]``): x cast to its dtype, student tensors as leaves."""
+    dtype = getattr(torch, variant.split("/")[1])
+    hs, ws = (x[k].to(dtype, copy=True).requires_grad_() for k in ("hs", "ws"))
+    return hs, ws, x["ht"].to(dtype), x["wt"].to(dtype)
+
+
+def _cuda_run(variant: str, inputs: tuple[torch.Tensor, ...], chunk: int) -> dict[str, torch.Tensor]:
+    """One forward + backward of ``variant`` on prepared inputs -> loss and the student's gradients (fp32)."""
+    hs, ws, ht, wt = inputs
+    kind = variant.split("/")[0]
     n, v, dev = hs.shape[0], ws.shape[0], hs.device
     div, temp, weights = get_divergence("reverse_kl"), torch.ones(n, device=dev), torch.full((n,), 1.0 / n, device=dev)
     if kind == "naive":
@@ -217,20 +224,29 @@ def _cuda_step(variant: str, x: dict[str, torch.Tensor], chunk: int) -> dict[str
     return {"loss": loss.detach().float(), "grad_h": hs.grad.float(), "grad_w": ws.grad.float()}
 
 
-def _cuda_measure(step: Callable[[], dict], warmup: int, repeats: int) -> tuple[dict, float, int]:
-    """(outputs, median seconds, peak bytes above the allocation before a step) of ``step``."""
+def _cuda_step(variant: str, x: dict[str, torch.Tensor], chunk: int) -> dict[str, torch.Tensor]:
+    """``_cuda_prepare`` then ``_cuda_run``."""
+    return _cuda_run(variant, _cuda_prepare(variant, x), chunk)
+
+
+def _cuda_measure(prepare: Callable[[], tuple], run: Callable[[tuple], dict], warmup: int,
+                  repeats: int) -> tuple[dict, float, int]:
+    """(outputs, median seconds, peak bytes above the allocation before a step) of ``run(prepare())``; the
+    inputs are prepared (cast) before the clock and the memory baseline."""
     seconds, peak, out = [], 0, None
     for i in range(warmup + repeats):
         out = None
+        inputs = prepare()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         start = time.perf_counter()
-        out = step()
+        out = run(inputs)
         torch.cuda.synchronize()
         if i >= warmup:
             seconds.append(time.perf_counter() - start)
         peak = max(peak, torch.cuda.max_memory_allocated() - base)
+        del inputs
     return out, statistics.median(seconds), peak
 
 
@@ -258,7 +274,8 @@ def cuda_main(args: argparse.Namespace) -> int:
     for variant in variants:
         chunk = int(variant.split("/")[2]) if variant.startswith("chunked") else 0
         try:
-            out, sec, peak = _cuda_measure(lambda: _cuda_step(variant, x, chunk), args.warmup, args.repeats)
+            out, sec, peak = _cuda_measure(lambda: _cuda_prepare(variant, x), lambda i: _cuda_run(variant, i, chunk),
+                                           args.warmup, args.repeats)
         except Exception as e:  # one variant's failure (e.g. liger's triton) is its line, not the end
             print(f"kl {variant:22s} error={type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
             continue

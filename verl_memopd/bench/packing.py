@@ -90,16 +90,11 @@ def model_config(shape: str, layers: Optional[int]):
 
 
 def build_model(config, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    """Random-weight ``Qwen2ForCausalLM`` made directly on ``device`` in ``dtype`` (no CPU copy), train mode."""
+    """Random-weight ``Qwen2ForCausalLM`` initialised on ``device`` (no CPU copy), cast to ``dtype``, train mode."""
     from transformers import Qwen2ForCausalLM
 
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = Qwen2ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config)
     return model.to(device, dtype).train()
 
 

@@ -15,10 +15,12 @@ the other has none gives +inf, the true value.
 For the whole-vocabulary fast path (a token chunk's full rows at once, logits from a linear head and
 therefore finite) a divergence also supplies ``row_terms``: per row its value ``D``, the gradient
 already through the softmax, ``G = dD/dz`` (per unit weight, at temperature 1), and the reverse /
-forward KL diagnostics, in as few (n, V) passes as its maths allows. The base class derives them
-from ``pointwise``; ``reverse_kl`` and ``forward_kl`` write them in closed form::
+forward KL diagnostics, in as few (n, V) passes and buffers as its maths allows (on a GPU this step
+is memory-bound: every pass over an (n, V) fp32 block costs about as much as the matmuls' share).
+The base class derives them from ``pointwise``; ``reverse_kl`` and ``forward_kl`` write them in
+closed form (p = exp(a), q = exp(b); sum_j p_j = 1)::
 
-    reverse KL   d = a - b,  D = sum_j p_j d_j,  G = p * (d - D)
+    reverse KL   d = a - b,  D = sum_j p_j d_j,  G = p d - p D          3.5 (n, V) buffers at most
     forward KL   D = sum_j q_j (b_j - a_j),      G = p - q
 
 Each divergence also has ``reference``: the same quantity written plainly with
@@ -45,8 +47,19 @@ __all__ = ["Divergence", "RowTerms", "DIVERGENCES", "register_divergence", "get_
 
 
 def _rowdot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """(n, c), (n, c) -> (n,) row-wise dot products, without an (n, c) product buffer."""
+    """(n, c), (n, c) -> (n,) row-wise dot products, without an (n, c) product buffer (a batched
+    matrix-vector product: slower than ``_row_sum_of_product`` on a GPU, used where no scratch is free)."""
     return torch.bmm(x.unsqueeze(1), y.unsqueeze(2)).view(-1)
+
+
+def _row_sum_of_product(x: torch.Tensor, y: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """(n, V) x, y -> (n,) sum_j x_j y_j, the product written into ``scratch`` (n, V; may be x or y)."""
+    return torch.mul(x, y, out=scratch).sum(-1)
+
+
+def _grad_buffer(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where a gradient of ``dtype`` goes: ``like`` itself when the dtypes agree, else a new (n, V) buffer."""
+    return like if like.dtype == dtype else torch.empty_like(like, dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -75,15 +88,19 @@ class Divergence(ABC):
         """a, b: (n, c) fp32 student / teacher log-probs, p = exp(a), q = exp(b) (given, not
         recomputed) -> f (n, c) and g = df/da (n, c, a new tensor the caller may overwrite) or None."""
 
-    def row_terms(self, a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> RowTerms:
-        """a, b: (n, V) fp32 student / teacher log-probs over the whole vocabulary (finite), p = exp(a),
-        q = exp(b) -> :class:`RowTerms`. May overwrite ``a`` and ``b`` (the caller is done with them);
-        ``grad`` may share their storage. This default derives everything from ``pointwise``."""
-        rkl, fkl = _rowdot(p, a) - _rowdot(p, b), _rowdot(q, b) - _rowdot(q, a)
+    def row_terms(self, a: torch.Tensor, b: torch.Tensor, grad_dtype: torch.dtype = torch.float32) -> RowTerms:
+        """a, b: (n, V) fp32 student / teacher log-probs over the whole vocabulary (finite) ->
+        :class:`RowTerms`, ``grad`` in ``grad_dtype`` (the head's: the matmuls that consume it run in it).
+        May overwrite ``a`` and ``b`` (the caller is done with them); ``grad`` may share their storage.
+        This default derives everything from ``pointwise``."""
+        p, q = a.exp(), b.exp()
         f, g = self.pointwise(a, b, p, q, with_grad=True)
         value = f.sum(-1)
-        del f
-        return RowTerms(value, g.addcmul_(p, g.sum(-1, keepdim=True), value=-1.0), rkl, fkl)
+        d = torch.sub(a, b, out=f)  # f's storage
+        rkl, fkl = _row_sum_of_product(p, d, a), -_row_sum_of_product(q, d, b)
+        del f, d
+        gsum = g.sum(-1, keepdim=True)
+        return RowTerms(value, torch.addcmul(g, p, gsum, value=-1.0, out=_grad_buffer(g, grad_dtype)), rkl, fkl)
 
     @abstractmethod
     def reference(self, student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
@@ -114,11 +131,16 @@ class ReverseKL(Divergence):
         f = _weighted_log_ratio(a, b, p)
         return f, (f + p) if with_grad else None  # g = p_S (a - b + 1)
 
-    def row_terms(self, a, b, p, q):
-        fkl = _rowdot(q, b) - _rowdot(q, a)
-        d = torch.sub(a, b, out=a)  # a's storage from here on
-        value = _rowdot(p, d)
-        return RowTerms(value, d.sub_(value[:, None]).mul_(p), value, fkl)  # sum_j p_j = 1
+    def row_terms(self, a, b, grad_dtype=torch.float32):
+        q = b.exp()
+        d = torch.sub(a, b, out=b)                      # b's storage: d = a - b
+        fkl = q.mul_(d).sum(-1).neg_()                  # sum_j q_j (b_j - a_j)
+        del q
+        p = a.exp()
+        pd = torch.mul(p, d, out=a)                     # a's storage: p d
+        value = pd.sum(-1)                              # D = sum_j p_j d_j
+        grad = torch.addcmul(pd, p, value[:, None], value=-1.0, out=_grad_buffer(pd, grad_dtype))  # p d - p D
+        return RowTerms(value, grad, value, fkl)
 
     def reference(self, student_logp, teacher_logp):
         return F.kl_div(teacher_logp, student_logp, reduction="none", log_target=True).sum(-1)
@@ -132,10 +154,12 @@ class ForwardKL(Divergence):
     def pointwise(self, a, b, p, q, with_grad=False):
         return _weighted_log_ratio(b, a, q), -q if with_grad else None  # g = -p_T
 
-    def row_terms(self, a, b, p, q):
-        rkl = _rowdot(p, a) - _rowdot(p, b)
-        value = _rowdot(q, torch.sub(b, a, out=b))
-        return RowTerms(value, torch.sub(p, q, out=a), rkl, value)
+    def row_terms(self, a, b, grad_dtype=torch.float32):
+        p, q = a.exp(), b.exp()
+        d = torch.sub(b, a, out=b)                      # b's storage: d = b - a
+        value = _row_sum_of_product(q, d, a)            # D = sum_j q_j d_j
+        rkl = _row_sum_of_product(p, d, a).neg_()
+        return RowTerms(value, torch.sub(p, q, out=_grad_buffer(a, grad_dtype)), rkl, value)
 
     def reference(self, student_logp, teacher_logp):
         return F.kl_div(student_logp, teacher_logp, reduction="none", log_target=True).sum(-1)
