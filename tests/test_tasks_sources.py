@@ -282,9 +282,16 @@ def test_recorded_needs_bound_the_packed_episode_and_the_recipe_checks_them(tmp_
     from verl_memopd.agent.context import CallContext
     from verl_memopd.packing import pack_episode
     from verl_memopd.records import Episode, Invocation
-    from verl_memopd.tasks.needs import check_config, read_needs
+    from verl_memopd.tasks.needs import read_needs
     from verl_memopd.tasks.prompts import MemoryPrompts
-    from verl_memopd.trainer.config import MemopdConfigError, from_config
+    from verl_memopd.trainer.config import MemopdConfigError, _check_data_needs, from_config
+
+    def check_config(cfg):
+        try:
+            _check_data_needs(cfg)
+        except MemopdConfigError as e:
+            return str(e).split("; ")
+        return []
 
     rc, out = _cli(capsys, FIX / "memagent_eval.json", "--out", tmp_path, "--tokenizer", tiny_models.student,
                    "--chunk-tokens", 40, "--memory-tokens", 24, "--answer-tokens", 8)

@@ -10,9 +10,10 @@ its whole ``memory_tokens`` budget, is::
 
 with ``F`` = the tokens of all M + 1 call contexts without their memory slots (headers, chunks,
 instructions; measured per row) and ``E`` = the tokens of the ``empty_memory`` text (the first call's
-memory slot). :func:`check_config` (called by the recipe's config check, ``trainer.config``) reads the
-recorded needs of ``data.train_files`` / ``data.val_files`` and refuses a rollout whose
-``prompt_length`` or ``response_length`` is shorter, before any Ray process starts.
+memory slot). :func:`check_lengths` (called by the recipe's config check, ``trainer.config``, with
+``data.train_files`` / ``data.val_files`` and the rollout and agent settings) reads the recorded needs
+and refuses a rollout whose ``prompt_length`` or ``response_length`` is shorter, before any Ray
+process starts.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["METADATA_KEY", "DataNeeds", "episode_needs", "read_needs", "check_config"]
+__all__ = ["METADATA_KEY", "DataNeeds", "episode_needs", "read_needs", "check_lengths"]
 
 #: Key of the needs in the parquet schema metadata.
 METADATA_KEY = b"memopd_needs"
@@ -84,32 +85,30 @@ def _files(value: Any) -> list[str]:
     return [str(v) for v in value]
 
 
-def check_config(config: Any) -> list[str]:
-    """Problems of the rollout lengths against the recorded needs of the run's data files (empty: fine)."""
-    from verl_memopd.agent.loop import MemoryAgentConfig
+def check_lengths(data_files: dict[str, Any], prompt_length: int | None, response_length: int | None,
+                  memory_tokens: int, answer_tokens: int, default_call_prompts: bool = True) -> list[str]:
+    """Problems of the rollout lengths against the recorded needs of the data files (empty: fine).
 
-    data = config.get("data") or {}
-    rollout = (config.get("actor_rollout_ref") or {}).get("rollout") or {}
-    agent_node = (config.get("memopd") or {}).get("agent") or {}
-    agent = MemoryAgentConfig.from_mapping(agent_node)
-    prompts_changed = bool(dict(agent_node).get("prompts"))
+    ``data_files``: config key (``train_files``, ``val_files``) -> a path or a list of paths; files
+    without recorded needs are skipped. The response length is checked only with
+    ``default_call_prompts`` (the needs are measured with the default per-call texts).
+    """
     problems = []
-    for key in ("train_files", "val_files"):
-        for path in _files(data.get(key)):
+    for key, value in data_files.items():
+        for path in _files(value):
             needs = read_needs(path)
             if needs is None:
                 continue
-            prompt_length, response_length = rollout.get("prompt_length"), rollout.get("response_length")
             if prompt_length is not None and needs.q_tokens > int(prompt_length):
                 problems.append(f"data.{key} {path}: q takes up to {needs.q_tokens} tokens but "
                                 f"actor_rollout_ref.rollout.prompt_length={prompt_length} (set "
                                 f"data.max_prompt_length >= {needs.q_tokens})")
-            need = needs.response_length(agent.memory_tokens, agent.answer_tokens)
-            if response_length is not None and not prompts_changed and need > int(response_length):
+            need = needs.response_length(memory_tokens, answer_tokens)
+            if response_length is not None and default_call_prompts and need > int(response_length):
                 problems.append(
                     f"data.{key} {path}: a packed episode can take {need} response tokens (longest row, "
                     f"{max(m for m, _ in needs.episodes)} chunks at most, every memory call writing memopd.agent."
-                    f"memory_tokens={agent.memory_tokens}, answer_tokens={agent.answer_tokens}) but "
+                    f"memory_tokens={memory_tokens}, answer_tokens={answer_tokens}) but "
                     f"actor_rollout_ref.rollout.response_length={response_length}: set data.max_response_length "
                     f">= {need}, or convert with a smaller --max-chunks / --chunk-tokens")
     return problems

@@ -283,9 +283,16 @@ def _check_agent(agent: dict) -> None:
 def _check_data_needs(config: DictConfig) -> None:
     """Converted data files record the prompt / response lengths their rows need (``tasks.needs``);
     refuse shorter rollout lengths here, before Ray starts, rather than in the agent loop minutes later."""
-    from verl_memopd.tasks.needs import check_config
+    from verl_memopd.agent.loop import MemoryAgentConfig
+    from verl_memopd.tasks.needs import check_lengths
 
-    problems = check_config(config)
+    data = config.get("data") or {}
+    rollout = (config.get("actor_rollout_ref") or {}).get("rollout") or {}
+    node = (config.get("memopd") or {}).get("agent") or {}
+    agent = MemoryAgentConfig.from_mapping(node)
+    problems = check_lengths({key: data.get(key) for key in ("train_files", "val_files")},
+                             rollout.get("prompt_length"), rollout.get("response_length"), agent.memory_tokens,
+                             agent.answer_tokens, default_call_prompts=not dict(node).get("prompts"))
     if problems:
         raise MemopdConfigError("; ".join(problems))
 
