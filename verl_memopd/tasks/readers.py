@@ -98,7 +98,8 @@ def _json_text(text: str, path: Path, name: str) -> list[Located]:
             return [Located(value, f"{name} [{i}]", file_stem(path), i) for i, value in enumerate(whole)]
         return [Located(whole, f"{name} line 1", file_stem(path), 0)]
     if text.lstrip().startswith("["):
-        raise InputError(f"{path}: a JSON array that does not parse: {_position(whole_error)}")
+        cut = " (the file ends before the array does: cut off?)" if whole_error.pos >= len(text.rstrip()) else ""
+        raise InputError(f"{path}: a JSON array that does not parse: {_position(whole_error)}{cut}")
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     values = [(n, _json_line(line)) for n, line in lines]
     if not any(parsed and isinstance(value, dict) for _, (value, parsed) in values):
