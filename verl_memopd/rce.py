@@ -469,9 +469,11 @@ class SelfTest:
             out.append(f"offline {case}: {'PASS' if off.passed else 'FAIL'} {off.calls.text()}")
             out.append(f"in-training {case}: {'PASS' if spot.passed else 'FAIL'} {spot.calls.text()}"
                        + (f" records_mismatch={len(spot.problems)}" if spot.problems else ""))
-        out.append(f"seconds clean: offline={self.seconds['offline']:.2f} in_training={self.seconds['in_training']:.2f}")
-        out.append(f"RCE self-test dtype={self.dtype} faults={len(self.faults)} detected_offline={self.detected_offline} "
-                   f"detected_in_training={self.detected_in_training} clean_pass={int(self.clean_pass)}")
+        out.append(f"seconds clean: offline={self.seconds['offline']:.2f} "
+                   f"in_training={self.seconds['in_training']:.2f}")
+        out.append(f"RCE self-test dtype={self.dtype} faults={len(self.faults)} "
+                   f"detected_offline={self.detected_offline} detected_in_training={self.detected_in_training} "
+                   f"clean_pass={int(self.clean_pass)}")
         return out
 
 

@@ -172,8 +172,8 @@ def rce_metrics(stats: Sequence[torch.Tensor]) -> dict[str, float]:
     s = torch.cat([x.reshape(-1, len(STAT_COLUMNS)).float() for x in stats]) if stats else torch.zeros(0, 5)
     if s.shape[0] == 0:
         return {}
-    out = {"memopd/audit/rce_max_abs_diff": float(s[:, 1].max()), "memopd/audit/rce_mean_abs_diff": float(s[:, 1].mean()),
-           "memopd/audit/rce_calls_checked": float(s.shape[0]), "memopd/audit/rce_max_kl": float(s[:, 3].max()),
+    out = {"memopd/audit/rce_max_abs_diff": float(s[:, 1].max()),
+           "memopd/audit/rce_mean_abs_diff": float(s[:, 1].mean()), "memopd/audit/rce_calls_checked": float(s.shape[0]), "memopd/audit/rce_max_kl": float(s[:, 3].max()),
            "memopd/audit/rce_min_top1_agreement": float(s[:, 4].min())}
     if not torch.isnan(s[:, 2]).all():
         out["memopd/audit/rce_noise_floor"] = float(torch.nan_to_num(s[:, 2], nan=0.0).max())
