@@ -88,7 +88,7 @@ def record_fields(extra_fields: Sequence[dict], tags: Sequence[dict], keys: Sequ
     for extra, tag, key in zip(extra_fields, tags, keys):
         calls: list[CallRecord] = []
         if not tag.get("is_padding", False):
-            if not isinstance(extra, dict) or EXTRA_EPISODE not in extra:
+            if not hasattr(extra, "__contains__") or EXTRA_EPISODE not in extra:  # a dict, or another mapping
                 raise RceAuditError(f"row {key}: no {EXTRA_EPISODE!r} in extra_fields; the RCE check rebuilds each "
                                     f"call from the memory agent's invocation records")
             try:
