@@ -11,8 +11,8 @@ RCE check (actor, old-log-prob forward)
     a scrambled block) fails it. On an audit step the trainer copies each row's records into three
     row fields (:func:`put_rce_records`, before the old-log-prob forward); the actor engine
     (:func:`engine_rce_fields`) runs every call of the micro-batch alone under the model's **stock**
-    attention (sdpa; flash_attention_2 on CUDA), in one extra forward (a second one, upcast to fp32,
-    for bf16 / fp16 parameters), pairs the k-th recorded action token with the row's k-th
+    attention (sdpa; flash_attention_2 on CUDA when flash-attn is installed), in one extra forward (a second
+    one, upcast to fp32, for bf16 / fp16 parameters), pairs the k-th recorded action token with the row's k-th
     ``response_mask`` token (ids checked) and compares the logits in place, ``chunk`` tokens at a time.
     Per row the engine returns each call's figures (``memopd_rce_max_abs_diff``: (n_calls, 5),
     ``verl_memopd.audit.STAT_COLUMNS``) and bound (``memopd_rce_tolerance``: (n_calls,)); the rule is

@@ -86,9 +86,9 @@ class AuditConfig:
 
     rce: Rollout Context Equivalence spot-check in the actor's old-log-prob forward: every call of
         every row is re-run alone (its own ``[q, x_t, a_t]``, positions 0..n-1) under the model's stock
-        attention (sdpa; flash_attention_2 on CUDA), and its full-vocabulary logits at the action tokens
+        attention (sdpa; flash_attention_2 with flash-attn on CUDA), and its full-vocabulary logits at the action tokens
         are compared with the packed forward's (``memopd/audit/rce_max_abs_diff``, ``rce_pass``).
-    on_failure: what a call above the dtype's RCE tolerance (``verl_memopd.rce.TOLERANCES``) does:
+    on_failure: what a call above its RCE bound (the rule: ``verl_memopd.rce``'s docstring) does:
         ``raise`` (stop training with an error naming the row, call and difference) or ``warn``
         (log it; ``memopd/audit/rce_failed_calls`` counts the calls).
     teacher_flat_kl: the teacher also scores the step's rows under the flat layout (persistent
