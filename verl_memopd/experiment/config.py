@@ -218,10 +218,9 @@ def smollm2_config() -> ExperimentConfig:
         arms=ArmsConfig(steps=10, val_every=5, episodes_per_step=8, samples_per_episode=1, lr=2e-5,
                         seeds=(0, 1, 2), arms=("memopd", "flat", "ppo", "opd", "kd")),
         arm_overrides=("memopd.kl_penalty_coef=0", "algorithm.rollout_correction.bypass_mode=true",
-                       # 135M parameters: activations fit without recomputation (verl's default recomputes each
-                       # layer in the backward); 2 episodes per micro-batch keep them at a few GB
-                       "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-                       "critic.model.enable_gradient_checkpointing=false",
+                       # 2 episodes per micro-batch (less padding); activation recomputation stays on (verl's
+                       # default): without it the colocated actor + critic + teacher process peaked past the
+                       # machine's 24 GB on the first audit step (measured: Ray's OOM kill at 22.0 GB, step 5)
                        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2"),
         timeout_s=4 * 3600, sweep=None, heldout=True,
     )
