@@ -53,6 +53,16 @@ def _lines(ax, rows: list[dict], arms, split: str, key: str, style: str) -> None
             ax.fill_between(steps, lo, hi, color=COLORS[arm], alpha=0.2)
 
 
+def _kl_panel(ax, rows: list[dict], split: str, style: str, title: str, xlabel: str, ylabel: str, what: str) -> None:
+    """One reverse-KL panel: every arm's ``reverse_kl`` rows of ``split`` (mean, min-max band)."""
+    _lines(ax, rows, ARMS, split, "reverse_kl", style)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    if ax.lines:
+        ax.legend()
+    else:
+        _empty(ax, what)
+
+
 def plot_metrics(rows: list[dict], out: Path, handoff: dict[int, float] | None = None) -> Path:
     """Draw the panels (module docstring) into ``out``; ``handoff``: val F1 by the call the teacher takes over at."""
     import matplotlib
@@ -84,21 +94,10 @@ def plot_metrics(rows: list[dict], out: Path, handoff: dict[int, float] | None =
     if ax_f1.lines:
         ax_f1.legend(fontsize=8)
 
-    _lines(ax_kl, rows, ARMS, "train", "reverse_kl", "-")
-    ax_kl.set(title="training reverse KL to the teacher (own rollouts)", xlabel="RL step",
-              ylabel="reverse KL (nats/token)")
-    if ax_kl.lines:
-        ax_kl.legend()
-    else:
-        _empty(ax_kl, "reverse KL")
-
-    _lines(ax_held, rows, ARMS, "heldout", "reverse_kl", "o-")
-    ax_held.set(title="held-out reverse KL (fixed start-student rollouts)", xlabel="step",
-                ylabel="KL(model || teacher), nats/token")
-    if ax_held.lines:
-        ax_held.legend()
-    else:
-        _empty(ax_held, "held-out reverse KL")
+    _kl_panel(ax_kl, rows, "train", "-", "training reverse KL to the teacher (own rollouts)", "RL step",
+              "reverse KL (nats/token)", "reverse KL")
+    _kl_panel(ax_held, rows, "heldout", "o-", "held-out reverse KL (fixed start-student rollouts)", "step",
+              "KL(model || teacher), nats/token", "held-out reverse KL")
 
     if handoff:
         calls = sorted(handoff)
