@@ -8,6 +8,7 @@ its extra fields are what verl and the MemOPD trainer consume.
 
 import asyncio
 import copy
+import time
 from dataclasses import fields
 
 import hydra
@@ -314,6 +315,30 @@ def test_rollout_problems_fail_loudly(tokenizer, case, error, match):
         config.actor_rollout_ref.rollout.response_length = 100
     with pytest.raises(error, match=match):
         _run(tokenizer, server, row, config)
+
+
+class StalledServer(FakeServer):
+    """Answers its first ``answered`` calls, then never again (an engine that died under the server)."""
+
+    def __init__(self, script, answered):
+        super().__init__(script)
+        self.answered = answered
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        if len(self.requests) >= self.answered:
+            await asyncio.Event().wait()
+        return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params)
+
+
+def test_a_call_the_server_never_answers_fails_the_episode_naming_it(tokenizer):
+    row = _row()
+    server = StalledServer(_script(tokenizer, ["a", "b"]), answered=2)
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match=r"row 3 \(val-3\) call 2: no reply .* memopd.agent.call_timeout_s=0.2 s"):
+        _run(tokenizer, server, row, _config(call_timeout_s=0.2))
+    assert len(server.requests) == 2 and time.perf_counter() - t0 < 30
+    with pytest.raises(ValueError, match="call_timeout_s must be >= 0"):
+        MemoryAgentConfig.from_mapping({"call_timeout_s": -1})
 
 
 def test_converted_rows_make_one_memory_call_per_chunk_and_score_aliases(tokenizer):

@@ -37,7 +37,9 @@ call; ``seed_requests`` (true) give every call its own vLLM sampling seed, a has
 (``rollout.seed``, the dataset row, the trainer step, the sample index within ``rollout.n``, the
 call index) -- a resumed run then samples what the uninterrupted run sampled (verl's V1 agent
 loop passes ``global_steps`` and ``session_id``; without them calls are not seeded);
-``stop_token_ids`` ([]) extra stop ids -- the tokenizer's eos and the eos ids of the
+``call_timeout_s`` (1800) seconds one call may wait for the server, queueing included, before the
+episode fails naming the call (0 = no limit): a server whose engine died can otherwise leave verl waiting
+forever; ``stop_token_ids`` ([]) extra stop ids -- the tokenizer's eos and the eos ids of the
 model's generation config (``actor_rollout_ref.model.path``; vLLM stops on those too) are always
 stop ids; ``prompts`` ({}) overrides of the per-call ``MemoryPrompts`` fields (``CALL_FIELDS``;
 ``task`` and ``questions_header`` are part of ``q``, written into the data when it is built, and are
@@ -49,6 +51,7 @@ An error raised by an episode is recorded for the job's top-level error (``agent
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from dataclasses import dataclass, field, fields
@@ -85,12 +88,15 @@ class MemoryAgentConfig:
     answer_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     seed_requests: bool = True
+    call_timeout_s: float = 1800.0
     prompts: MemoryPrompts = field(default_factory=MemoryPrompts)
 
     def __post_init__(self) -> None:
         for name in ("memory_tokens", "answer_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"memopd.agent.{name} must be >= 1, got {getattr(self, name)}")
+        if not float(self.call_timeout_s) >= 0:
+            raise ValueError(f"memopd.agent.call_timeout_s must be >= 0 (0 = no limit), got {self.call_timeout_s}")
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
 
     @classmethod
@@ -180,8 +186,16 @@ class MemoryAgentLoop(AgentLoopBase):
         client reports them as ``min_global_steps`` / ``max_global_steps``; None when unknown).
         """
         params = {**sampling_params, "max_tokens": budget, "stop_token_ids": sorted(self.stop_ids)}
-        out = await self.server_manager.generate(request_id=request_id, prompt_ids=list(prompt_ids),
-                                                 sampling_params=params)
+        timeout = float(self.agent_config.call_timeout_s) or None
+        try:
+            out = await asyncio.wait_for(self.server_manager.generate(request_id=request_id,
+                                                                      prompt_ids=list(prompt_ids),
+                                                                      sampling_params=params), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"{where}: no reply from the rollout server within memopd.agent.call_timeout_s={timeout:g} s "
+                f"(a server whose engine died, e.g. killed for memory, never answers; raise the limit for "
+                f"very long queues)") from None
         ids = list(out.token_ids)
         if not ids:
             raise RuntimeError(f"{where}: the server returned no tokens (stop_reason={out.stop_reason!r})")
