@@ -297,7 +297,7 @@ def test_a_check_that_raises_is_one_fail_line_and_the_rest_still_run():
         raise RuntimeError("CUDA error: no kernel image is available\nmore")
 
     kl = dict(vocab=8, tokens=2, chunk=2, peak_mem_ratio=3.0, time_ratio=1.0, ms=1.0, naive_ms=1.0, grad_err=0.0,
-              grad_tolerance=0.0, loss_err=0.0, loss_tolerance=0.0, naive_peak_gib=1.0, chunked_peak_gib=0.3, passed=False)
+              grad_bound=0.0, loss_err=0.0, loss_bound=0.0, naive_peak_gib=1.0, chunked_peak_gib=0.3, passed=False)
     passed, failed, skipped = run_checks([("driver", lambda: {"nvidia": "580.1", "driver_cuda": "13.0", "source": "libcuda",
                                                               "torch": "2.11.0", "torch_cuda": "13.0", "passed": True}),
                                           ("attention", broken),
