@@ -318,15 +318,16 @@ def test_rollout_problems_fail_loudly(tokenizer, case, error, match):
 
 
 class StalledServer(FakeServer):
-    """Answers its first ``answered`` calls, then never again (an engine that died under the server)."""
+    """Answers its first ``answered`` calls at once, later ones only after ``stall_s`` (an engine that died under
+    the server; bounded, so that a loop without a timeout fails the test instead of hanging it)."""
 
-    def __init__(self, script, answered):
+    def __init__(self, script, answered, stall_s=30.0):
         super().__init__(script)
-        self.answered = answered
+        self.answered, self.stall_s = answered, stall_s
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
         if len(self.requests) >= self.answered:
-            await asyncio.Event().wait()
+            await asyncio.sleep(self.stall_s)
         return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params)
 
 
@@ -336,7 +337,7 @@ def test_a_call_the_server_never_answers_fails_the_episode_naming_it(tokenizer):
     t0 = time.perf_counter()
     with pytest.raises(TimeoutError, match=r"row 3 \(val-3\) call 2: no reply .* memopd.agent.call_timeout_s=0.2 s"):
         _run(tokenizer, server, row, _config(call_timeout_s=0.2))
-    assert len(server.requests) == 2 and time.perf_counter() - t0 < 30
+    assert len(server.requests) == 2 and time.perf_counter() - t0 < server.stall_s
     with pytest.raises(ValueError, match="call_timeout_s must be >= 0"):
         MemoryAgentConfig.from_mapping({"call_timeout_s": -1})
 
