@@ -31,10 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from verl_memopd.attention import attention_implementation
+from verl_memopd.fp32_reference import fp32_replica, upcast_to_fp32
 
 __all__ = ["Tolerance", "TOLERANCES", "NoiseFloorRule", "NOISE_FLOOR_RULES", "TOKEN_COLUMNS", "STAT_COLUMNS",
            "CallRecord", "records_of_episode", "encode_records", "decode_records", "AloneCalls", "record_calls",
-           "token_stats", "per_call_stats", "upcast_to_fp32", "reference_precision", "stock_attention",
+           "token_stats", "per_call_stats", "upcast_to_fp32", "compute_dtype", "reference_precision", "stock_attention",
            "alone_pass_stats", "rce_spot_check", "RceAuditError", "CallSummary", "summarize"]
 
 logger = logging.getLogger(__name__)
@@ -61,8 +62,8 @@ class Tolerance:
 
 
 #: Direct bound on ``max |l_packed - l_alone|``. fp32: the rule (1e-4 absolute). fp16 / bf16: the old
-#: relative bound (8 ulps of the largest logit), used only where no fp32 reference can be run (the
-#: in-training check under FSDP mixed precision, which keeps its parameters sharded): a fallback.
+#: relative bound (8 ulps of the largest logit), a fallback used only where no fp32 reference runs
+#: (``alone_pass_stats(reference=False)``; it warns).
 TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float32: Tolerance(atol=1e-4, rtol=0.0),
     torch.float16: Tolerance(atol=0.0, rtol=8 * 2.0 ** -10),
@@ -287,34 +288,6 @@ def record_calls(records: Sequence[Sequence[CallRecord]], input_ids: Sequence[to
 
 
 # --- the alone pass -------------------------------------------------------------------------------------
-def _is_sharded(model: torch.nn.Module) -> bool:
-    """Parameters managed by FSDP (DTensor shards, FSDP1 flat parameters, an FSDP wrapper)."""
-    if hasattr(model, "_fsdp_wrapped_module") or any(hasattr(m, "_fsdp_wrapped_module") for m in model.modules()):
-        return True
-    return any(type(p).__name__ in ("DTensor", "FlatParameter") for p in model.parameters())
-
-
-@contextmanager
-def upcast_to_fp32(model: torch.nn.Module) -> Iterator[bool]:
-    """Run ``model`` in fp32 inside the block: every fp16 / bf16 parameter and buffer is upcast in place
-    and put back exactly afterwards (a low-precision value survives the round trip bit for bit). Yields
-    False (and changes nothing) when the parameters are FSDP-managed: sharded, and cast by FSDP's mixed
-    precision at every forward, they cannot be upcast here."""
-    if _is_sharded(model):
-        yield False
-        return
-    low = (torch.float16, torch.bfloat16)
-    tensors = [t for t in list(model.parameters()) + list(model.buffers()) if t.dtype in low]
-    dtypes = [t.dtype for t in tensors]
-    for t in tensors:
-        t.data = t.data.float()
-    try:
-        yield True
-    finally:
-        for t, dt in zip(tensors, dtypes):
-            t.data = t.data.to(dt)
-
-
 def stock_attention(device: torch.device) -> str:
     """The reference attention of the alone pass: transformers' ``flash_attention_2`` on CUDA when
     flash-attn is installed (the model's own flash path), else ``sdpa``."""
@@ -373,9 +346,16 @@ def reference_precision(device: torch.device, tf32: bool) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def _fp32_head(head: torch.nn.Module, h32: torch.Tensor) -> torch.Tensor:
-    bias = getattr(head, "bias", None)
-    return F.linear(h32.float(), head.weight.float(), None if bias is None else bias.float())
+def _fp32_head(weight: torch.Tensor, bias: Optional[torch.Tensor], h32: torch.Tensor) -> torch.Tensor:
+    return F.linear(h32.float(), weight.float(), None if bias is None else bias.float())
+
+
+def compute_dtype(packed_logits: torch.Tensor, hf_model: torch.nn.Module) -> torch.dtype:
+    """The dtype the low-precision passes compute in: the packed logits' when fp16 / bf16 (FSDP mixed
+    precision keeps fp32 parameters and computes in bf16), else the parameters'."""
+    if packed_logits.dtype in NOISE_FLOOR_RULES:
+        return packed_logits.dtype
+    return next(hf_model.parameters()).dtype
 
 
 _warned_fallback = False
@@ -389,38 +369,44 @@ def alone_pass_stats(module: torch.nn.Module, hf_model: torch.nn.Module, packed_
     inside it) and compare with the packed forward at the action tokens, ``chunk`` tokens at a time.
 
     ``packed_logits``: (M, V) the packed forward's logits, rows flattened (read in place);
-    ``packed_index``: (A,) the row of each action token's prediction in it. With low-precision parameters
-    (and ``reference``) the alone pass runs a second time upcast to fp32 (:func:`upcast_to_fp32`, autocast
-    off; ``reference_tf32``: TF32 products on CUDA, :func:`reference_precision`) for the noise-floor rule;
-    only its (A, H) hidden states are kept. Returns :func:`token_stats` (A, 6) and the logits' dtype."""
+    ``packed_index``: (A,) the row of each action token's prediction in it. When the passes compute in fp16 /
+    bf16 (:func:`compute_dtype`; and ``reference``) the alone pass runs first as the fp32 reference
+    (:func:`verl_memopd.fp32_reference.fp32_replica`: the same weights rounded to that dtype, every operation in
+    fp32, also under FSDP; autocast off; ``reference_tf32``: TF32 products on CUDA,
+    :func:`reference_precision`), keeping only its (A, H) hidden states and its head's weights, for the
+    noise-floor rule. Returns :func:`token_stats` (A, 6) and the logits' dtype."""
     global _warned_fallback
     device = packed_logits.device
     packed_index = packed_index.to(device)
-    low = next(hf_model.parameters()).dtype in NOISE_FLOOR_RULES
-    ref_hidden: dict = {}
-    if reference and low:
-        with upcast_to_fp32(hf_model) as upcast:
-            if upcast:
+    dtype = compute_dtype(packed_logits, hf_model)
+    ref: dict = {}
+
+    def keep(mod: torch.nn.Module, h: torch.Tensor, _) -> None:
+        ref.update(h=h, weight=mod.weight.detach(), bias=None if getattr(mod, "bias", None) is None else
+                   mod.bias.detach())
+
+    if reference and dtype in NOISE_FLOOR_RULES:
+        with fp32_replica(module, hf_model, dtype, device) as replica:
+            if replica is not None:
                 with torch.autocast(device.type, enabled=False), reference_precision(device, reference_tf32):
-                    _run_alone(module, hf_model, calls, device, lambda mod, h, _: ref_hidden.setdefault("h", h))
+                    _run_alone(replica, replica, calls, device, keep)
     found: dict = {}
 
     def compare(mod: torch.nn.Module, h: torch.Tensor, hidden: torch.Tensor) -> None:
         found["dtype"] = mod.forward(hidden[:1, :1]).dtype  # .forward: no hooks (this runs inside one)
-        h32 = ref_hidden.get("h")
         out = [h.new_zeros(0, len(TOKEN_COLUMNS), dtype=torch.float32)]
         for i in range(0, h.shape[0], chunk):
             alone = mod.forward(h[i:i + chunk])
             with reference_precision(device, reference_tf32):
-                ref = None if h32 is None else _fp32_head(mod, h32[i:i + chunk])
-            out.append(token_stats(packed_logits[packed_index[i:i + chunk]], alone, ref))
+                r = None if "h" not in ref else _fp32_head(ref["weight"], ref["bias"], ref["h"][i:i + chunk])
+            out.append(token_stats(packed_logits[packed_index[i:i + chunk]], alone, r))
         found["stats"] = torch.cat(out)
 
     _run_alone(module, hf_model, calls, device, compare)
-    if reference and found["dtype"] in NOISE_FLOOR_RULES and "h" not in ref_hidden and not _warned_fallback:
+    if reference and found["dtype"] in NOISE_FLOOR_RULES and "h" not in ref and not _warned_fallback:
         _warned_fallback = True
-        logger.warning("RCE check: %s logits but no fp32 reference (FSDP-managed parameters cannot be upcast); "
-                       "using the relative fallback bound TOLERANCES[%s]", found["dtype"], found["dtype"])
+        logger.warning("RCE check: %s logits but no fp32 reference; using the relative fallback bound "
+                       "TOLERANCES[%s]", found["dtype"], found["dtype"])
     return found["stats"], found["dtype"]
 
 

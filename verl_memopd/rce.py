@@ -34,8 +34,9 @@ over the call's action tokens and the vocabulary:
   short calls whose two low-precision passes round alike (a zero floor). The bound follows the
   model's own rounding error: it does not pass real faults on a small model nor run out on a large
   one, as the old ``8 * 2^-7 * max |l|`` did (clean 3B / 7B runs used 0.80 / 0.75 of it; now 0.34 /
-  0.37 of the new bound). Not covered: under FSDP mixed precision (verl's GPU default) the in-training
-  check cannot upcast the sharded parameters and falls back to the old bound, with a warning.
+  0.37 of the new bound). Under FSDP mixed precision (verl's GPU set-up: fp32 shards, bf16 compute) the
+  in-training check builds the reference unit by unit from the fp32 shards, rounded to bf16
+  (``verl_memopd.fp32_reference``; FSDP1 and FSDP2, equal bit for bit to an unsharded model's on 2 ranks).
 - A call whose action tokens or token ids do not match its record fails (infinite difference).
 
 Per call both audits also report ``max_kl`` (max over its action tokens of ``KL(p_alone || p_packed)``)
@@ -71,6 +72,7 @@ from verl_memopd.attention import BACKENDS, attention_implementation, forward_la
 from verl_memopd.audit import (
     NOISE_FLOOR_RULES,
     TOLERANCES,
+    CallRecord,
     CallSummary,
     Tolerance,
     per_call_stats,
@@ -85,7 +87,8 @@ from verl_memopd.records import Episode, Invocation
 from verl_memopd.segments import SegmentMeta, segment_meta
 
 __all__ = ["Tolerance", "TOLERANCES", "EpisodeShape", "random_episodes", "RceReport", "reference_logits",
-           "rce_audit", "ROW_FAULTS", "BACKEND_FAULTS", "faulty_packer", "reversed_block_packer", "spot_check_rows",
+           "rce_audit", "ROW_FAULTS", "BACKEND_FAULTS", "faulty_packer", "reversed_block_packer", "SpotBatch",
+           "packed_spot_batch", "spot_check_rows",
            "SelfTest", "self_test", "SELF_TEST_QK_SCALE", "sharpen_attention", "main"]
 
 #: ``build_layout``'s signature: the packer under audit (``rce_audit(pack=...)``).
@@ -409,25 +412,50 @@ class SpotReport:
         return self.calls.passed
 
 
+@dataclass(frozen=True)
+class SpotBatch:
+    """What the in-training check reads of a micro-batch (``verl_memopd.audit.rce_spot_check``'s inputs):
+    ``logits`` (N, V) of the packed forward over the rows' stream, ``row_start`` (B,) int64, per row its ids
+    (L_b,), verl's response mask (R_b,) and its calls' invocation records."""
+
+    logits: torch.Tensor
+    row_start: torch.Tensor
+    input_ids: list[torch.Tensor]
+    response_masks: list[torch.Tensor]
+    records: list[list[CallRecord]]
+
+
 @torch.no_grad()
-def spot_check_rows(model: torch.nn.Module, episodes: Sequence[Episode], backend: str = "torch",
-                    fault: Optional[Callable[[PackedRow], PackedRow]] = None) -> SpotReport:
-    """The in-training check (``verl_memopd.audit.rce_spot_check``, as the actor engine runs it) on the
-    episodes' packed rows in one remove-padding stream, the packed forward under ``backend``, each row
-    passed through the packer ``fault`` when given; the records are the episodes' own."""
+def packed_spot_batch(model: torch.nn.Module, episodes: Sequence[Episode], backend: str = "torch",
+                      fault: Optional[Callable[[PackedRow], PackedRow]] = None,
+                      hf_model: Optional[torch.nn.Module] = None) -> SpotBatch:
+    """The episodes' packed rows in one remove-padding stream and their packed forward under ``backend``
+    (each row passed through the packer ``fault`` when given); the records are the episodes' own. ``model``
+    as the engine calls it, ``hf_model`` the Hugging Face model inside (default ``model``; FSDP1 wraps it)."""
+    hf_model = model if hf_model is None else hf_model
     rows = [pack_episode(ep) for ep in episodes]
     if fault is not None:
         rows = [fault(r) for r in rows]
     ids, pos, meta = _stream(rows)
     lengths = torch.tensor([len(r.segment_ids) for r in rows])
-    device = model.get_input_embeddings().weight.device
-    with attention_implementation(model, hf_name(backend)):
+    device = hf_model.get_input_embeddings().weight.device
+    with attention_implementation(hf_model, hf_name(backend)):
         logits = model(input_ids=ids.to(device), position_ids=pos.to(device), memopd_segments=meta.to(device),
                        use_cache=False).logits  # (1, N, V)
-    stats, bounds, problems = rce_spot_check(
-        model, model, logits.flatten(0, 1), torch.cumsum(lengths, 0) - lengths,
-        [torch.tensor(_row_ids(r), device=device) for r in rows], [torch.tensor(r.response_mask) for r in rows],
-        [records_of_episode(ep.invocations) for ep in episodes])
+    return SpotBatch(logits.flatten(0, 1), torch.cumsum(lengths, 0) - lengths,
+                     [torch.tensor(_row_ids(r), device=device) for r in rows],
+                     [torch.tensor(r.response_mask) for r in rows], [records_of_episode(ep.invocations) for ep in episodes])
+
+
+def spot_check_rows(model: torch.nn.Module, episodes: Sequence[Episode], backend: str = "torch",
+                    fault: Optional[Callable[[PackedRow], PackedRow]] = None,
+                    hf_model: Optional[torch.nn.Module] = None) -> SpotReport:
+    """The in-training check (``verl_memopd.audit.rce_spot_check``, as the actor engine runs it) on
+    :func:`packed_spot_batch`'s rows (same arguments)."""
+    hf_model = model if hf_model is None else hf_model
+    batch = packed_spot_batch(model, episodes, backend, fault, hf_model)
+    stats, bounds, problems = rce_spot_check(model, hf_model, batch.logits, batch.row_start, batch.input_ids,
+                                             batch.response_masks, batch.records)
     return SpotReport(summarize(stats, bounds), problems)
 
 

@@ -11,6 +11,8 @@
 #   attention   bench attention: torch_varlen's K/V head repeat vs native GQA (vs flash-attn when installed)
 #   packing     bench packing --device cuda, 8 layers of Qwen2.5-3B, with profiler tables: the bench shape
 #               (32 episodes) and the GRPO group shape (64 episodes, groups of 8 sharing q, q = 2 blocks, 2 calls)
+#   audit       bench audit --device cuda, 8 layers of Qwen2.5-3B, memory-agent episodes: the bf16 RCE check
+#               with its fp32 (TF32) reference vs the check before it and vs the step's own passes
 set -uo pipefail
 out="${OUT:-gpu_session_out}"
 mkdir -p "$out"
@@ -28,7 +30,7 @@ step() {  # step NAME SECONDS COMMAND...: log to $out/NAME.log, print its rc, wa
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   rc=$?
   echo "== $name rc=$rc wall_s=$(( $(date +%s) - start ))"
-  grep -E "^(gpucheck|kl |attention |packing)" "$out/$name.log" | grep -v " profile of " | cut -c1-400
+  grep -E "^(gpucheck|kl |attention |packing|audit )" "$out/$name.log" | grep -v " profile of " | cut -c1-400
   [ "$rc" = 0 ] || tail -n 5 "$out/$name.log"
 }
 
@@ -44,3 +46,5 @@ step packing_bench 150 python -m verl_memopd.bench packing --device cuda --model
   --episodes 32 --repeats 5 --profile
 step packing_group 120 python -m verl_memopd.bench packing --device cuda --model-shape qwen2.5-3b --layers 8 \
   --episodes 64 --group-size 8 --q-ratio 2 --calls 2 --repeats 5 --profile
+step audit 120 python -m verl_memopd.bench audit --device cuda --model-shape qwen2.5-3b --layers 8 \
+  --shape memory-agent --episodes 4 --repeats 3
