@@ -141,6 +141,28 @@ def test_bf16_in_training_check_uses_the_noise_floor_rule(model):
     assert all(p.dtype == torch.bfloat16 for p in bf16.parameters())
 
 
+def test_without_an_fp32_reference_the_bf16_check_falls_back_and_says_why(monkeypatch, caplog):
+    """A model the reference cannot be built for (e.g. a wrapper that is not a Hugging Face model under FSDP):
+    the check still runs, on the relative fallback bound (no noise floor), and the warning names the reason."""
+    from contextlib import contextmanager
+
+    from verl_memopd import audit
+    from verl_memopd.fp32_reference import Fp32ReferenceError
+
+    @contextmanager
+    def no_replica(*args):
+        raise Fp32ReferenceError("fp32 reference: PeftModel is not a Hugging Face model")
+        yield
+
+    monkeypatch.setattr(audit, "fp32_replica", no_replica)
+    monkeypatch.setattr(audit, "_warned_fallback", False)
+    bf16 = student_model(VOCAB).to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="verl_memopd.audit"):
+        report = spot_check_rows(bf16, random_episodes(2, VOCAB, 23, SHAPE), "torch")
+    assert report.passed and report.calls.noise_floor != report.calls.noise_floor  # NaN: the fallback bound
+    assert "PeftModel is not a Hugging Face model" in caplog.text and "fallback bound" in caplog.text
+
+
 def test_rce_spot_check_runs_its_alone_pass_under_stock_attention_only(model):
     """The alone pass must not go through the memopd backend it audits (a spy backend counts its calls),
     and forms logits only at action tokens, ``chunk`` rows at a time (no (N, V) buffer)."""

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from verl_memopd.attention import attention_implementation
-from verl_memopd.fp32_reference import fp32_replica, upcast_to_fp32
+from verl_memopd.fp32_reference import Fp32ReferenceError, fp32_replica, upcast_to_fp32
 
 __all__ = ["Tolerance", "TOLERANCES", "NoiseFloorRule", "NOISE_FLOOR_RULES", "TOKEN_COLUMNS", "STAT_COLUMNS",
            "CallRecord", "records_of_episode", "encode_records", "decode_records", "AloneCalls", "record_calls",
@@ -385,11 +385,16 @@ def alone_pass_stats(module: torch.nn.Module, hf_model: torch.nn.Module, packed_
         ref.update(h=h, weight=mod.weight.detach(), bias=None if getattr(mod, "bias", None) is None else
                    mod.bias.detach())
 
+    missing = "reference=False"
     if reference and dtype in NOISE_FLOOR_RULES:
-        with fp32_replica(module, hf_model, dtype, device) as replica:
-            if replica is not None:
-                with torch.autocast(device.type, enabled=False), reference_precision(device, reference_tf32):
-                    _run_alone(replica, replica, calls, device, keep)
+        try:
+            with fp32_replica(module, hf_model, dtype, device) as replica:
+                missing = "the parameters cannot be upcast"
+                if replica is not None:
+                    with torch.autocast(device.type, enabled=False), reference_precision(device, reference_tf32):
+                        _run_alone(replica, replica, calls, device, keep)
+        except Fp32ReferenceError as e:  # same model on every rank: every rank fails here alike
+            missing = str(e)
     found: dict = {}
 
     def compare(mod: torch.nn.Module, h: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -405,8 +410,8 @@ def alone_pass_stats(module: torch.nn.Module, hf_model: torch.nn.Module, packed_
     _run_alone(module, hf_model, calls, device, compare)
     if reference and found["dtype"] in NOISE_FLOOR_RULES and "h" not in ref and not _warned_fallback:
         _warned_fallback = True
-        logger.warning("RCE check: %s logits but no fp32 reference; using the relative fallback bound "
-                       "TOLERANCES[%s]", found["dtype"], found["dtype"])
+        logger.warning("RCE check: %s logits but no fp32 reference (%s); using the relative fallback bound "
+                       "TOLERANCES[%s]", found["dtype"], missing, found["dtype"])
     return found["stats"], found["dtype"]
 
 
