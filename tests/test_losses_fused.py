@@ -91,3 +91,20 @@ def test_closed_form_row_terms_equal_the_generic_derivation(name, params, grad_d
     value = div.reference(torch.log_softmax(z, -1), b).sum()
     torch.testing.assert_close(closed.grad.float(), torch.autograd.grad(value, z)[0],
                                rtol=1e-4, atol=1e-6 if grad_dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("chunking", [Chunking(7, None), Chunking(7, V)])
+def test_without_top_mass_the_loss_and_gradients_are_unchanged(chunking):
+    """top_tokens=0 skips the top-k pass (fast path and general kernel): loss, gradients and KLs as with it,
+    the two top-mass results NaN."""
+    div, case = get_divergence("reverse_kl"), _case(seed=3)
+    hs, ws, ht, wt, temp, weights = case
+    with_top, grads = _run(div, case, chunking)
+    without = divergence_loss(div, StudentLogits(V, hidden=hs, head_weight=ws), HiddenTarget(ht, wt, V), weights,
+                              temp, chunking, top_tokens=0)
+    for got, want in zip(torch.autograd.grad(without.loss, (hs, ws)), grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for field in ("per_token", "reverse_kl", "forward_kl"):
+        torch.testing.assert_close(getattr(without, field), getattr(with_top, field), rtol=0, atol=0)
+    assert without.teacher_top_mass.isnan().all() and without.student_top_mass.isnan().all()
+    assert (with_top.teacher_top_mass > 0).all()

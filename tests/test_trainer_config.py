@@ -52,6 +52,7 @@ def test_recipe_and_baselines_compose(tmp_path, monkeypatch, tiny_models):
         (["memopd.teacher.n_gpus_per_node=0"], "placement=separate needs n_gpus_per_node >= 1"),
         (["memopd.kl_penalty_coef=-0.1"], "memopd.kl_penalty_coef=-0.1 must be >= 0"),
         (["memopd.audit.every_n_steps=-1"], "memopd.audit.every_n_steps=-1 must be >= 0"),
+        (["memopd.distill.top_mass_tokens=-1"], "memopd.distill.top_mass_tokens=-1 must be >= 0"),
         (["memopd.distill.coef=0", "algorithm.use_kl_in_reward=true"], "would penalise the reward twice"),
         (["memopd.distill.coef=0", "+memopd.agent.prompts.task=x"], "memopd.agent.prompts.task: not a run-time"),
     ],

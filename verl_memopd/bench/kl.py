@@ -36,6 +36,8 @@ numbers and ``naive/float32`` is the exact reference. Variants, each a line::
 
     naive/float32, naive/bfloat16        one (N, V) piece (bf16: plain PyTorch, bf16 matmuls)
     chunked/<dtype>/<n>                  ours, n positions per token chunk (--token-chunks)
+    chunked_no_top/bfloat16/<n>          ours without the top-mass diagnostics (``top_tokens=0``: no top-k
+                                         pass; the recipe's ``memopd.distill.top_mass_tokens=0``), --token-chunk
     liger/bfloat16                       liger_kernel.chunked_loss.LigerFusedLinearJSDLoss (beta = 1:
                                          reverse KL; soft loss only; not compiled), when installed
 
@@ -43,6 +45,7 @@ numbers and ``naive/float32`` is the exact reference. Variants, each a line::
 reference gradient); ``naive/bfloat16``'s are the bf16 tolerance. Ends with::
 
     kl device=cuda vocab=<V> tokens=<N> chunk=<n> peak_mem_ratio=<naive fp32 / ours bf16> time_vs_liger=<x> ...
+      ... time_vs_liger_no_top_mass=<x>
 """
 
 from __future__ import annotations
@@ -212,9 +215,9 @@ def _cuda_run(variant: str, inputs: tuple[torch.Tensor, ...], chunk: int) -> dic
     div, temp, weights = get_divergence("reverse_kl"), torch.ones(n, device=dev), torch.full((n,), 1.0 / n, device=dev)
     if kind == "naive":
         loss = (weights * naive_divergence(div, hs @ ws.T, ht @ wt.T, v, temp)).sum()
-    elif kind == "chunked":
+    elif kind in ("chunked", "chunked_no_top"):
         loss = divergence_loss(div, StudentLogits(v, hidden=hs, head_weight=ws), HiddenTarget(ht, wt, v), weights, temp,
-                               Chunking(chunk)).loss
+                               Chunking(chunk), top_tokens=8 if kind == "chunked" else 0).loss
     else:
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
 
@@ -266,13 +269,14 @@ def cuda_main(args: argparse.Namespace) -> int:
     x = _cuda_inputs(args)
     chunks = [int(c) for c in (args.token_chunks or str(args.token_chunk)).split(",")]
     variants = ["naive/float32", "naive/bfloat16"] + [f"chunked/{d}/{c}" for d in args.dtypes.split(",") for c in chunks]
+    variants.append(f"chunked_no_top/bfloat16/{args.token_chunk}")
     if not args.no_liger and _liger_available():
         variants.append("liger/bfloat16")
     print(f"kl device=cuda {torch.cuda.get_device_name(0)} vocab={args.vocab} tokens={args.tokens} "
           f"student_hidden={args.hidden} teacher_hidden={args.teacher_hidden} torch={torch.__version__}", flush=True)
     ref, results = None, {}
     for variant in variants:
-        chunk = int(variant.split("/")[2]) if variant.startswith("chunked") else 0
+        chunk = int(variant.split("/")[2]) if variant.startswith("chunked") else 0  # chunked, chunked_no_top
         try:
             out, sec, peak = _cuda_measure(lambda: _cuda_prepare(variant, x), lambda i: _cuda_run(variant, i, chunk),
                                            args.warmup, args.repeats)
@@ -300,11 +304,14 @@ def cuda_main(args: argparse.Namespace) -> int:
         ours, naive = results[best], results["naive/float32"]
         liger = results.get("liger/bfloat16")
         vs = f"{ours['seconds'] / liger['seconds']:.2f}" if liger else "none"
+        no_top = results.get(f"chunked_no_top/bfloat16/{args.token_chunk}")
+        vs_no_top = f"{no_top['seconds'] / liger['seconds']:.2f}" if liger and no_top else "none"
         print(f"kl device=cuda vocab={args.vocab} tokens={args.tokens} chunk={args.token_chunk} "
               f"peak_mem_ratio={naive['peak'] / ours['peak']:.2f} time_vs_naive={ours['seconds'] / naive['seconds']:.2f} "
               f"time_vs_liger={vs} loss_err={ours['loss_err']:.2e} grad_err={ours['grad_err']:.2e} "
               f"bf16_tolerance_loss={results.get('naive/bfloat16', {}).get('loss_err', float('nan')):.2e} "
-              f"bf16_tolerance_grad={results.get('naive/bfloat16', {}).get('grad_err', float('nan')):.2e}")
+              f"bf16_tolerance_grad={results.get('naive/bfloat16', {}).get('grad_err', float('nan')):.2e} "
+              f"time_vs_liger_no_top_mass={vs_no_top}")
     return 0
 
 

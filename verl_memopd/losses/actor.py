@@ -97,7 +97,8 @@ class OPDLossConfig:
         transport: registered transport name the teacher used (default ``hidden``).
         token_clamp: optional cap on each token's divergence (> 0); None (default) = no cap.
         token_chunk_size / vocab_chunk_size: see :class:`~verl_memopd.losses.chunked.Chunking`.
-        top_tokens: teacher tokens covered by the mass metrics (default 8).
+        top_tokens: teacher tokens covered by the mass metrics ``memopd/{teacher,student}_top_mass`` (default 8;
+            0 = no such metrics, no top-k pass).
     """
 
     vocab_size: int
@@ -118,8 +119,8 @@ class OPDLossConfig:
         self.make_divergence(), get_transport(self.transport), self.chunking  # unknown names / bad sizes raise here
         if self.token_clamp is not None and not self.token_clamp > 0:
             raise ValueError(f"OPDLossConfig: token_clamp = {self.token_clamp} must be > 0 or None")
-        if self.top_tokens < 1:
-            raise ValueError(f"OPDLossConfig: top_tokens = {self.top_tokens} must be >= 1")
+        if self.top_tokens < 0:
+            raise ValueError(f"OPDLossConfig: top_tokens = {self.top_tokens} must be >= 0 (0 = no top-mass metrics)")
 
     def make_divergence(self):
         return get_divergence(self.divergence, **({"beta": self.jsd_beta} if self.divergence == "jsd" else {}))
@@ -266,9 +267,10 @@ def _metrics(opd_config, result: DivergenceResult, pos: _Positions, data, weight
         "memopd/distill_loss": Metric(AggregationType.SUM, result.loss.detach()),
         "memopd/reverse_kl": part(result.reverse_kl),
         "memopd/forward_kl": part(result.forward_kl),
-        "memopd/teacher_top_mass": part(result.teacher_top_mass),
-        "memopd/student_top_mass": part(result.student_top_mass),
     }
+    if opd_config.top_tokens:
+        metrics["memopd/teacher_top_mass"] = part(result.teacher_top_mass)
+        metrics["memopd/student_top_mass"] = part(result.student_top_mass)
     if opd_config.token_clamp is not None:
         metrics["memopd/clamped_frac"] = part((result.per_token > opd_config.token_clamp).float())
     if pos.call is not None:

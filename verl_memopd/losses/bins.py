@@ -32,6 +32,7 @@ from verl_memopd.losses.chunked import (
     logits_block,
     lse_parts,
     merge_lse,
+    top_mass,
     register_target_kernel,
 )
 from verl_memopd.losses.divergences import Divergence, get_divergence
@@ -116,12 +117,14 @@ def _topk_kernel(plan: Plan, student: StudentLogits, target: TopKTarget, weights
     kept = div if plan.clamp is None else div.clamp(max=plan.clamp)
     with torch.no_grad():
         a_d, p, q = a.detach(), a.detach().exp(), b.exp()
-        top_b, idx = target.logprobs.topk(min(plan.top_tokens, target.logprobs.shape[-1]), dim=-1)
+        top = None
+        if plan.top_tokens:
+            top_b, idx = target.logprobs.topk(min(plan.top_tokens, target.logprobs.shape[-1]), dim=-1)
+            top = (top_b, a_d.gather(-1, idx))
         stats = (
             div.detach(),
             _REVERSE_KL.pointwise(a_d, b, p, q)[0].sum(-1),
             _FORWARD_KL.pointwise(a_d, b, p, q)[0].sum(-1),
-            top_b.exp().sum(-1),
-            a_d.gather(-1, idx).exp().sum(-1),
+            *top_mass(top, div.detach()),
         )
     return DivergenceResult((weights.detach().float() * kept).sum(), *stats)

@@ -69,6 +69,8 @@ class DistillConfig:
     teacher_mask: which sampled tokens the teacher supervises (``TEACHER_MASK_POLICIES``): ``action`` = m_T = m_act
     (paper's main setting), ``answer`` = the final call's, ``memory`` = the memory calls'.
     token_clamp: optional cap on each token's divergence.  token_chunk_size: tokens per chunk.
+    top_mass_tokens: the teacher's top tokens whose teacher / student probability mass is logged
+    (``actor/memopd/{teacher,student}_top_mass``); 0 = not logged, and the divergence skips its top-k pass.
     """
 
     coef: float = 1.0
@@ -78,6 +80,7 @@ class DistillConfig:
     teacher_mask: str = "action"
     token_clamp: Optional[float] = None
     token_chunk_size: int = 128
+    top_mass_tokens: int = 8
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,9 @@ class MemopdConfig:
             raise MemopdConfigError(f"memopd.audit.every_n_steps={self.audit.every_n_steps} must be >= 0 (0 = off)")
         if self.distill.coef < 0:
             raise MemopdConfigError(f"memopd.distill.coef={self.distill.coef} must be >= 0")
+        if self.distill.top_mass_tokens < 0:
+            raise MemopdConfigError(f"memopd.distill.top_mass_tokens={self.distill.top_mass_tokens} must be >= 0 "
+                                    f"(0 = no top-mass metrics)")
         if self.distill.coef > 0:
             if not self.teacher.path:
                 raise MemopdConfigError("memopd.teacher.path is not set but memopd.distill.coef > 0: set the teacher "

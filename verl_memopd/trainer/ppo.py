@@ -128,7 +128,7 @@ class MemopdTrainer(PPOTrainerSync):
         distill = self.memopd.distill
         opd = OPDLossConfig(vocab_size=self.vocab_size or 1, coef=distill.coef, divergence=distill.divergence,
                             transport=distill.transport, token_clamp=distill.token_clamp,
-                            token_chunk_size=distill.token_chunk_size)
+                            token_chunk_size=distill.token_chunk_size, top_tokens=distill.top_mass_tokens)
         self.actor_rollout_wg.set_loss_fn(MemopdActorLoss(actor_config, opd, self.memopd.teacher.path,
                                                           ppo_coef=self.memopd.ppo_coef))
         if self._teacher_colocated:
