@@ -49,12 +49,16 @@ def _is_fsdp1(m: nn.Module) -> bool:
     return isinstance(m, FullyShardedDataParallel)
 
 
-def _is_fsdp2(m: nn.Module) -> bool:
+def _fsdp2_class() -> type:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch < 2.6
         from torch.distributed._composable.fsdp import FSDPModule
-    return isinstance(m, FSDPModule)
+    return FSDPModule
+
+
+def _is_fsdp2(m: nn.Module) -> bool:
+    return isinstance(m, _fsdp2_class())
 
 
 def sharding(module: nn.Module) -> str:
@@ -93,21 +97,13 @@ def _meta_copy(hf_model: nn.Module) -> nn.Module:
     on the ``meta`` device, in fp32, eval mode."""
     from transformers import PreTrainedModel
 
-    cls = next((c for c in type(hf_model).__mro__ if issubclass(c, PreTrainedModel) and not _is_fsdp2_class(c)),
+    cls = next((c for c in type(hf_model).__mro__ if issubclass(c, PreTrainedModel) and not issubclass(c, _fsdp2_class())),
                None)
     if cls is None:
         raise Fp32ReferenceError(f"fp32 reference: {type(hf_model).__name__} is not a Hugging Face model")
     with torch.device("meta"):
         replica = cls._from_config(copy.deepcopy(hf_model.config), dtype=torch.float32)
     return replica.eval()
-
-
-def _is_fsdp2_class(c: type) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        from torch.distributed._composable.fsdp import FSDPModule
-    return issubclass(c, FSDPModule)
 
 
 def _units(hf_model: nn.Module, kind: str) -> dict[str, nn.Module]:
