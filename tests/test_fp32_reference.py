@@ -1,4 +1,4 @@
-"""The bf16 RCE check's fp32 reference under FSDP mixed precision (verl's GPU set-up), on 2 gloo ranks.
+"""The bf16 RCE check's fp32 reference under FSDP mixed precision (verl's GPU set-up), on 2 gloo ranks (CUDA: NCCL).
 
 FSDP keeps fp32 shards and computes in bf16; the reference (``verl_memopd.fp32_reference.fp32_replica``) is the
 same forward with the weights rounded to bf16 and every operation in fp32, gathered unit by unit. Each rank
@@ -28,7 +28,7 @@ SHAPE = EpisodeShape(prefix_len=(4, 16), chunk_len=(1, 8), response_len=(1, 8))
 WORLD = 2
 
 
-def _wrap(model: torch.nn.Module, kind: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _wrap(model: torch.nn.Module, kind: str, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(module as the engine calls it, the Hugging Face model inside): every decoder layer a unit, bf16 compute."""
     bf16 = torch.bfloat16
     if kind == "fsdp2":
@@ -44,17 +44,17 @@ def _wrap(model: torch.nn.Module, kind: str) -> tuple[torch.nn.Module, torch.nn.
 
     layer_cls = type(model.model.layers[0])
     wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}),
-                                       device_id=torch.device("cpu"),
+                                       device_id=device,
                                        mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=torch.float32,
                                                                       buffer_dtype=torch.float32))
     return wrapped, wrapped._fsdp_wrapped_module
 
 
-def _hidden(module, hf_model, calls) -> torch.Tensor:
+def _hidden(module, hf_model, calls, device: torch.device) -> torch.Tensor:
     """The fp32 reference's final hidden states at the calls' predicting positions (A, H)."""
     out = {}
-    with torch.no_grad(), fp32_replica(module, hf_model, torch.bfloat16, torch.device("cpu")) as replica:
-        audit._run_alone(replica, replica, calls, torch.device("cpu"), lambda m, h, _: out.setdefault("h", h))
+    with torch.no_grad(), fp32_replica(module, hf_model, torch.bfloat16, device) as replica:
+        audit._run_alone(replica, replica, calls, device, lambda m, h, _: out.setdefault("h", h))
     return out["h"]
 
 
@@ -66,22 +66,25 @@ def _local_state(module) -> dict:
     return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in module.named_parameters()}
 
 
-def _worker(rank: int, kind: str, port: int, out_dir: str) -> None:
+def _worker(rank: int, kind: str, port: int, out_dir: str, world: int, device_type: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world)
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
     torch.set_num_threads(1)
     result = {}
     try:
-        model = sharpen_attention(student_model(VOCAB, attention="torch"), SELF_TEST_QK_SCALE)  # same on each rank
+        model = sharpen_attention(student_model(VOCAB, attention="torch"), SELF_TEST_QK_SCALE).to(device)  # each rank alike
         rounded = copy.deepcopy(model)
         for p in rounded.parameters():
             p.data = p.data.to(torch.bfloat16).float()  # the weights as the bf16 pass sees them, fp32 arithmetic
-        module, hf_model = _wrap(model, kind)
+        module, hf_model = _wrap(model, kind, device)
         result["sharding"] = sharding(module)
         episodes = random_episodes(4, VOCAB, 22 + rank, SHAPE)
         calls = _alone_calls(episodes)
-        expected = _hidden(rounded, rounded, calls)
-        result["hidden_max_diff"] = float((_hidden(module, hf_model, calls) - expected).abs().max())
+        expected = _hidden(rounded, rounded, calls, device)
+        result["hidden_max_diff"] = float((_hidden(module, hf_model, calls, device) - expected).abs().max())
         result["hidden_scale"] = float(expected.abs().max())
         before = _local_state(module)
         with torch.no_grad():
@@ -118,8 +121,19 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("kind", ["fsdp2", "fsdp1"])
 def test_bf16_check_under_fsdp_mixed_precision_has_an_fp32_reference(kind, tmp_path):
-    mp.spawn(_worker, args=(kind, _free_port(), str(tmp_path)), nprocs=WORLD)
-    for rank in range(WORLD):
+    _check_ranks(kind, tmp_path, WORLD, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU session runs it)")
+@pytest.mark.parametrize("kind", ["fsdp2", "fsdp1"])
+def test_bf16_check_under_fsdp_on_cuda(kind, tmp_path):
+    """The same on every visible GPU (NCCL; one GPU: one rank)."""
+    _check_ranks(kind, tmp_path, torch.cuda.device_count(), "cuda")
+
+
+def _check_ranks(kind: str, tmp_path, world: int, device_type: str) -> None:
+    mp.spawn(_worker, args=(kind, _free_port(), str(tmp_path), world, device_type), nprocs=world)
+    for rank in range(world):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["sharding"] == kind
         # the replica gathered every unit's fp32 shards and rounded them as the bf16 pass does

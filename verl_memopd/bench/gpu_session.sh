@@ -13,6 +13,8 @@
 #               (32 episodes) and the GRPO group shape (64 episodes, groups of 8 sharing q, q = 2 blocks, 2 calls)
 #   audit       bench audit --device cuda, 8 layers of Qwen2.5-3B, memory-agent episodes: the bf16 RCE check
 #               with its fp32 (TF32) reference vs the check before it and vs the step's own passes
+#   fsdp_reference  tests/test_fp32_reference.py on CUDA: the check's fp32 reference under FSDP1 / FSDP2 bf16
+#               mixed precision, one rank per GPU (NCCL)
 set -uo pipefail
 out="${OUT:-gpu_session_out}"
 mkdir -p "$out"
@@ -30,7 +32,7 @@ step() {  # step NAME SECONDS COMMAND...: log to $out/NAME.log, print its rc, wa
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   rc=$?
   echo "== $name rc=$rc wall_s=$(( $(date +%s) - start ))"
-  grep -E "^(gpucheck|kl |attention |packing|audit )" "$out/$name.log" | grep -v " profile of " | cut -c1-400
+  grep -E "^(gpucheck|kl |attention |packing|audit |[0-9]+ (passed|failed))" "$out/$name.log" | grep -v " profile of " | cut -c1-400
   [ "$rc" = 0 ] || tail -n 5 "$out/$name.log"
 }
 
@@ -48,3 +50,4 @@ step packing_group 120 python -m verl_memopd.bench packing --device cuda --model
   --episodes 64 --group-size 8 --q-ratio 2 --calls 2 --repeats 5 --profile
 step audit 120 python -m verl_memopd.bench audit --device cuda --model-shape qwen2.5-3b --layers 8 \
   --shape memory-agent --episodes 4 --repeats 3
+step fsdp_reference 120 python -m pytest tests/test_fp32_reference.py -q -p no:cacheprovider -k cuda
