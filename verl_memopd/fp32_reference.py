@@ -102,7 +102,8 @@ def _meta_copy(hf_model: nn.Module) -> nn.Module:
     if cls is None:
         raise Fp32ReferenceError(f"fp32 reference: {type(hf_model).__name__} is not a Hugging Face model")
     with torch.device("meta"):
-        replica = cls._from_config(copy.deepcopy(hf_model.config), dtype=torch.float32)
+        # sdpa: the replica runs only the audit's stock-attention alone pass (``audit._run_alone`` sets it again)
+        replica = cls._from_config(copy.deepcopy(hf_model.config), dtype=torch.float32, attn_implementation="sdpa")
     return replica.eval()
 
 
