@@ -163,6 +163,28 @@ def test_without_an_fp32_reference_the_bf16_check_falls_back_and_says_why(monkey
     assert "PeftModel is not a Hugging Face model" in caplog.text and "fallback bound" in caplog.text
 
 
+def test_the_fp32_reference_pass_runs_sdpa_whatever_the_stock_attention(monkeypatch):
+    """On CUDA with flash-attn the stock attention is flash_attention_2, which has no fp32: the low-precision
+    alone pass uses it, the fp32 reference pass sdpa (a spy stands in for the stock attention here)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from verl_memopd import audit
+
+    seen = []
+
+    def spy(module, query, *args, **kwargs):
+        seen.append(query.dtype)
+        return sdpa_attention_forward(module, query, *args, **kwargs)
+
+    AttentionInterface.register("test_stock_spy", spy)
+    monkeypatch.setattr(audit, "stock_attention", lambda device: "test_stock_spy")
+    bf16 = student_model(VOCAB).to(torch.bfloat16)
+    report = spot_check_rows(bf16, random_episodes(2, VOCAB, 24, SHAPE), "torch")
+    assert report.passed and report.calls.noise_floor > 0  # the reference ran
+    assert seen and set(seen) == {torch.bfloat16}  # ... but not through the stock (spy) attention
+
+
 def test_rce_spot_check_runs_its_alone_pass_under_stock_attention_only(model):
     """The alone pass must not go through the memopd backend it audits (a spy backend counts its calls),
     and forms logits only at action tokens, ``chunk`` rows at a time (no (N, V) buffer)."""

@@ -304,10 +304,10 @@ def _head_of(hf_model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _run_alone(module: torch.nn.Module, hf_model: torch.nn.Module, calls: AloneCalls, device: torch.device,
-               on_hidden) -> None:
-    """One forward of the alone rows under stock attention; ``on_hidden(head, h)`` gets the final hidden
-    states at the predicting positions (A, H) inside a pre-hook of the output head (where FSDP has
-    gathered its weights), and the head itself then projects nothing."""
+               on_hidden, attention: Optional[str] = None) -> None:
+    """One forward of the alone rows under stock attention (``attention``, default :func:`stock_attention`);
+    ``on_hidden(head, h)`` gets the final hidden states at the predicting positions (A, H) inside a pre-hook of
+    the output head (where FSDP has gathered its weights), and the head itself then projects nothing."""
     head = _head_of(hf_model)
     seen = []
 
@@ -320,7 +320,7 @@ def _run_alone(module: torch.nn.Module, hf_model: torch.nn.Module, calls: AloneC
 
     handle = head.register_forward_pre_hook(hook)
     try:
-        with attention_implementation(hf_model, stock_attention(device)):
+        with attention_implementation(hf_model, attention or stock_attention(device)):
             module(input_ids=calls.input_ids.to(device), position_ids=calls.position_ids.to(device),
                    attention_mask=None, use_cache=False)
     finally:
@@ -392,7 +392,7 @@ def alone_pass_stats(module: torch.nn.Module, hf_model: torch.nn.Module, packed_
                 missing = "the parameters cannot be upcast"
                 if replica is not None:
                     with torch.autocast(device.type, enabled=False), reference_precision(device, reference_tf32):
-                        _run_alone(replica, replica, calls, device, keep)
+                        _run_alone(replica, replica, calls, device, keep, "sdpa")  # flash-attn has no fp32
         except Fp32ReferenceError as e:  # same model on every rank: every rank fails here alike
             missing = str(e)
     found: dict = {}
