@@ -241,7 +241,7 @@ def rce_audit(model: torch.nn.Module, episodes: Sequence[Episode], backend: str 
         ref = None
         if dtype in NOISE_FLOOR_RULES:
             with upcast_to_fp32(model):
-                ref = reference_logits(model, batch, reference_attention)
+                ref = reference_logits(model, batch, "sdpa")  # fp32: flash-attn has none
         with attention_implementation(model, reference_attention):
             flat = forward_layout(model, pack("flat", batch, vocab))
         layout = pack("packed", batch, vocab)
