@@ -48,6 +48,6 @@ step packing_bench 150 python -m verl_memopd.bench packing --device cuda --model
   --episodes 32 --repeats 5 --profile
 step packing_group 120 python -m verl_memopd.bench packing --device cuda --model-shape qwen2.5-3b --layers 8 \
   --episodes 64 --group-size 8 --q-ratio 2 --calls 2 --repeats 5 --profile
-step audit 120 python -m verl_memopd.bench audit --device cuda --model-shape qwen2.5-3b --layers 8 \
+step audit 90 python -m verl_memopd.bench audit --device cuda --model-shape qwen2.5-3b --layers 8 \
   --shape memory-agent --episodes 4 --repeats 3
-step fsdp_reference 120 python -m pytest tests/test_fp32_reference.py -q -p no:cacheprovider -k cuda
+step fsdp_reference 60 python -m pytest tests/test_fp32_reference.py -q -p no:cacheprovider -k cuda
