@@ -67,7 +67,7 @@ def test_memopd_trains_checkpoints_and_resumes(tmp_path):
     audited = run.steps[2]
     assert all(k in audited for k in AUDIT) and not any(k in run.steps[1] for k in AUDIT)
     # every call's action-token logits == the call run alone under stock sdpa: the CPU profile runs every engine
-    # in fp32 (no bf16 autocast), so they differ only in summation order (fp32 tolerance 1e-4)
+    # in fp32 (no bf16 autocast), so they differ only in summation order (tiny models: well under 1e-4)
     assert audited["memopd/audit/rce_pass"] == 1.0 and audited["memopd/audit/rce_max_abs_diff"] < 1e-4
     assert audited["memopd/audit/rce_calls_checked"] == 4 * audited["memopd/calls_per_episode"]
     assert audited["actor/memopd/audit/teacher_aligned_vs_flat_kl"] > 0

@@ -78,14 +78,13 @@ def test_rce_spot_check_passes_on_packed_rows(model, seed):
     rows = _rows(5, seed)
     stats, bounds = _spot_check(model, rows, *_stream_logits(model, rows))
     assert [d.shape for d in stats] == [(len(r[4]), 5) for r in rows]  # one line of figures per recorded call
-    assert all(torch.all(t == 1e-4) for t in bounds)  # fp32: TOLERANCES' absolute 1e-4
+    assert all(torch.all((t > 1e-4) & (t < 1e-4 + 2 ** -15 * 50)) for t in bounds)  # fp32: 1e-4 + 2^-15 max|l|
     metrics = rce_metrics(stats)
     assert metrics["memopd/audit/rce_max_abs_diff"] < 1e-5 and metrics["memopd/audit/rce_max_kl"] < 1e-6, metrics
     assert metrics["memopd/audit/rce_min_top1_agreement"] == 1.0 and "memopd/audit/rce_noise_floor" not in metrics
     verdict = rce_check(stats, bounds, [f"r{i}" for i in range(5)], "raise")
     assert verdict["memopd/audit/rce_failed_calls"] == 0.0 and verdict["memopd/audit/rce_pass"] == 1.0
-    assert verdict["memopd/audit/rce_max_diff_over_tolerance"] == pytest.approx(metrics["memopd/audit/rce_max_abs_diff"]
-                                                                             / 1e-4)
+    assert verdict["memopd/audit/rce_max_diff_over_tolerance"] < metrics["memopd/audit/rce_max_abs_diff"] / 1e-4
     assert model.config._attn_implementation == hf_name("torch")  # the alone pass put it back
 
 
@@ -227,7 +226,7 @@ def test_rce_spot_check_catches_a_backend_fault(model, caplog):
     names = [f"uid{i}_0_0" for i in range(5)]
     failed = [(i, t) for i, (d, tol) in enumerate(zip(stats, bounds)) for t in range(d.shape[0]) if d[t, 0] > tol[t]]
     assert len(failed) == sum(d.shape[0] for d in stats)  # every call sees the faulty attention
-    with pytest.raises(RceAuditError, match=r"row uid\d_0_0 call \d: difference \S+ > bound 1\.000e-04"):
+    with pytest.raises(RceAuditError, match=r"row uid\d_0_0 call \d: difference \S+ > bound 1\.\d+e-04"):
         rce_check(stats, bounds, names, "raise")
     with caplog.at_level(logging.WARNING, logger="verl_memopd.trainer.audit"):
         metrics = rce_check(stats, bounds, names, "warn")

@@ -16,7 +16,7 @@ RCE check (actor, old-log-prob forward)
     ``response_mask`` token (ids checked) and compares the logits in place, ``chunk`` tokens at a time.
     Per row the engine returns each call's figures (``memopd_rce_max_abs_diff``: (n_calls, 5),
     ``verl_memopd.audit.STAT_COLUMNS``) and bound (``memopd_rce_tolerance``: (n_calls,)); the rule is
-    ``verl_memopd.rce``'s (fp32: 1e-4; bf16 / fp16: the measured noise floor,
+    ``verl_memopd.rce``'s (fp32: 1e-4 + 2^-15 of the call's largest logit; bf16 / fp16: the measured noise floor,
     ``|l_packed - l_ref32| <= 3 |l_alone - l_ref32| + 4 ulps``). Under FSDP mixed precision the fp32
     reference is a replica filled unit by unit from the fp32 shards (``verl_memopd.fp32_reference``). The
     trainer reports
