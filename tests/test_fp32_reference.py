@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 from verl_memopd import audit
 from verl_memopd.fp32_reference import fp32_replica, sharding
+from verl_memopd.packing import pack_episode
 from verl_memopd.rce import ROW_FAULTS, SELF_TEST_QK_SCALE, EpisodeShape, random_episodes, sharpen_attention, \
     spot_check_rows
 from verl_memopd.tiny import student_model
@@ -102,15 +103,11 @@ def _worker(rank: int, kind: str, port: int, out_dir: str, world: int, device_ty
 
 
 def _alone_calls(episodes) -> audit.AloneCalls:
-    """Every call of the episodes laid out alone (``record_calls`` without packed rows: no pairing)."""
-    records = [r for ep in episodes for r in audit.records_of_episode(ep.invocations)]
-    width = max(r.ids.numel() for r in records)
-    ids = torch.stack([torch.nn.functional.pad(r.ids, (0, width - r.ids.numel()), value=int(r.ids[0]))
-                       for r in records])
-    index = torch.cat([s * width + torch.nonzero(r.action, as_tuple=True)[0] - 1 for s, r in enumerate(records)])
-    empty = torch.zeros(0, dtype=torch.long)
-    return audit.AloneCalls(ids, torch.arange(width).expand(len(records), width).contiguous(), index, empty, empty,
-                            empty, (), torch.zeros(len(records), dtype=torch.bool), ())
+    """Every call of the episodes laid out alone, as the in-training check does (``audit.record_calls``)."""
+    rows = [pack_episode(ep) for ep in episodes]
+    return audit.record_calls([audit.records_of_episode(ep.invocations) for ep in episodes],
+                              [torch.tensor(r.prompt_ids + r.response_ids) for r in rows],
+                              [torch.tensor(r.response_mask) for r in rows])
 
 
 def _free_port() -> int:

@@ -155,15 +155,15 @@ class _Filler:
                 if _is_fsdp2(unit):
                     unit.reshard()  # every registered parameter is now its fp32 DTensor shard
             self.sharded = {_clean(n): p for n, p in hf_model.named_parameters(remove_duplicate=False)}
-        # per unit: its parameter names in the replica, tied parameters once (name -> every (module, leaf))
-        self.names: dict[str, dict[str, list[tuple[nn.Module, str]]]] = {}
+        # per unit: its parameter names in the replica, tied parameters once (name -> every (module, leaf) and
+        # the meta parameter there, put back on release)
+        self.names: dict[str, dict[str, list[tuple[nn.Module, str, nn.Parameter]]]] = {}
         seen: dict[int, str] = {}
         for name, param in replica.named_parameters(remove_duplicate=False):
             mod_name, _, leaf = name.rpartition(".")
             first = seen.setdefault(id(param), name)
-            unit = _owner(first, self.units)
-            self.names.setdefault(unit, {}).setdefault(first, []).append((replica.get_submodule(mod_name), leaf))
-        self.empty: dict[str, dict[str, nn.Parameter]] = {}
+            places = self.names.setdefault(_owner(first, self.units), {}).setdefault(first, [])
+            places.append((replica.get_submodule(mod_name), leaf, param))
 
     def _values(self, unit: str) -> dict[str, torch.Tensor]:
         wanted = self.names.get(unit, {})
@@ -189,17 +189,15 @@ class _Filler:
         return out
 
     def fill(self, unit: str) -> None:
-        empty = self.empty.setdefault(unit, {})
         for name, value in self._values(unit).items():
             param = nn.Parameter(value, requires_grad=False)
-            for mod, leaf in self.names[unit][name]:
-                empty.setdefault(f"{id(mod)}.{leaf}", getattr(mod, leaf))
+            for mod, leaf, _ in self.names[unit][name]:
                 setattr(mod, leaf, param)
 
     def release(self, unit: str) -> None:
-        for name, places in self.names.get(unit, {}).items():
-            for mod, leaf in places:
-                setattr(mod, leaf, self.empty[unit][f"{id(mod)}.{leaf}"])
+        for places in self.names.get(unit, {}).values():
+            for mod, leaf, meta in places:
+                setattr(mod, leaf, meta)
 
 
 def _buffers_from(replica: nn.Module, hf_model: nn.Module, device: torch.device) -> None:
@@ -221,8 +219,8 @@ def fp32_replica(module: nn.Module, hf_model: nn.Module, dtype: torch.dtype,
     low-precision pass's); ``module`` is the model as the engine calls it (FSDP1 wraps ``hf_model`` from
     outside; FSDP2 and no sharding: ``module is hf_model``). Unsharded: ``hf_model`` itself, upcast in place
     for the block. Sharded: a replica filled unit by unit (module docstring); FSDP2 units are left resharded
-    (their next forward gathers again). Yields None when the model cannot be upcast (an unsharded fp32 model
-    needs no reference)."""
+    (their next forward gathers again). Yields None only for a module that carries an FSDP1 wrapper attribute
+    (``_fsdp_wrapped_module``) without being an FSDP instance: nothing here can upcast it."""
     kind = sharding(module)
     if kind == "none":
         with upcast_to_fp32(hf_model) as upcast:
@@ -244,5 +242,4 @@ def fp32_replica(module: nn.Module, hf_model: nn.Module, dtype: torch.dtype,
     finally:
         for h in handles:
             h.remove()
-        if "" in filler.empty:
-            filler.release("")
+        filler.release("")

@@ -21,7 +21,7 @@ over the call's action tokens and the vocabulary:
   1.2e-4 on SmolLM2-135M (30 layers, logits up to ~40) over 26 audit steps of the experiment's arms -- the
   last above the former absolute 1e-4, which stopped a correct run. 2^-15 (256 fp32 ulps) of the call's
   largest logit leaves ~10x room there (bound ~1.3e-3 at |l| = 40); the injected faults move fp32 logits by
-  0.5-1.4 (tiny student) and several units (3B shape), hundreds of times more.
+  0.5-1.4 on the tiny student, hundreds of times more (bf16 at the 3B shape: 2.3-7.2).
 - bf16 / fp16 logits: flash-attention's test rule. The alone pass runs twice, in the model's dtype
   (``l_alone``) and with the same weights upcast to fp32 (``l_ref``; the in-training check uses TF32
   products with fp32 accumulation on CUDA, ``audit.reference_precision``: on an H200 the floor of a

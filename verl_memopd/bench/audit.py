@@ -29,6 +29,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from verl_memopd.attention import hf_name
 from verl_memopd.audit import rce_spot_check
 from verl_memopd.bench.packing import MODEL_SHAPES, SHAPE, Stream, _clock, _step, _sync, build_model, model_config
 from verl_memopd.packing import build_layout
@@ -82,8 +83,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     backend = args.backend or ("torch_varlen" if device.type == "cuda" else "torch")
-    from verl_memopd.attention import hf_name
-
     config = model_config(args.model_shape, args.layers)
     model = build_model(config, args.device, dtype)
     episodes = random_episodes(args.episodes, config.vocab_size, args.seed, EPISODE_SHAPES[args.shape])
