@@ -320,6 +320,10 @@ def test_experiment_smoke_writes_csv_and_png(tmp_path):
     handoff = (tmp_path / "results" / "handoff.csv").read_text().splitlines()
     assert handoff[0] == "teacher_from_call,val_f1" and len(handoff) > 3
     assert not [r for r in rows if r["arm"] in ("student", "teacher")]  # smoke: no SFT evals, the arms' step 0 is the start
+    runs = json.loads((tmp_path / "results" / "experiment.json").read_text())["runs"]
+    assert sorted(runs) == ["flat_seed0", "kd_seed0", "memopd_seed0", "opd_seed0", "ppo_seed0"]
+    assert all(r["attempts"] == 1 for r in runs.values()), runs
+    assert all(r["resumed_from_step"] == 0 for name, r in runs.items() if name != "kd_seed0"), runs
     assert (tmp_path / "results" / "f1.png").read_bytes()[:4] == b"\x89PNG"
     assert any(line.startswith("experiment model=tiny seeds=0 steps=0 ") for line in proc.stdout.splitlines())
     print(f"experiment smoke: wall {wall:.0f}s")
@@ -334,6 +338,24 @@ def test_heavy_commands_are_bounded_after_the_lock(tmp_path, monkeypatch):
     assert "hello" in log.read_text() and 0 <= heavy_wall_s(log) < 30
     with pytest.raises(RuntimeError, match="exit status 124"):  # coreutils timeout's status
         run_logged(heavy(["sleep", "30"], 1), log, dict(os.environ), None)
+
+
+def test_done_record_says_how_many_attempts_and_where_the_last_resumed(tmp_path, monkeypatch):
+    from verl_memopd.experiment.arms import _done
+    from verl_memopd.experiment.runner import attempts, heavy, run_logged
+
+    monkeypatch.delenv("MEMOPD_HEAVY_LOCK", raising=False)
+    log = tmp_path / "main_ppo.log"
+    run_logged(heavy(["echo", "Training from scratch"], 30), log, dict(os.environ), None)
+    assert attempts(log) == 1 and _done(tmp_path, tmp_path)["resumed_from_step"] == 0
+    with pytest.raises(RuntimeError):  # a first attempt that died after its step-5 checkpoint
+        run_logged(heavy(["bash", "-c", "echo Training from scratch; exit 3"], 30), log, dict(os.environ), None)
+    run_logged(heavy(["echo", "Load from checkpoint folder: /x/checkpoints/global_step_5"], 30), log,
+               dict(os.environ), None)
+    done = _done(tmp_path, tmp_path)
+    assert done["attempts"] == 3 and done["resumed_from_step"] == 5 and 0 <= done["wall_s"] < 30
+    run_logged(heavy(["echo", "Training from scratch"], 30), log, dict(os.environ), None)  # only the last counts
+    assert _done(tmp_path, tmp_path)["resumed_from_step"] == 0
 
 
 @pytest.mark.parametrize("keep, files, kept", [

@@ -14,13 +14,14 @@ validating on val only, to measure what moves the outcome without touching the t
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
 from verl_memopd.experiment.config import ARMS, KD_ARM, ExperimentConfig, Paths, Variant
 from verl_memopd.experiment.evaluate import eval_model, start_models
 from verl_memopd.experiment.launch import main_ppo
-from verl_memopd.experiment.runner import heavy, heavy_wall_s, run_logged
+from verl_memopd.experiment.runner import attempts, heavy, heavy_wall_s, last_attempt, run_logged
 from verl_memopd.launching import cpu_env
 from verl_memopd.experiment.sft import fp32_export
 
@@ -88,9 +89,18 @@ def _train(cfg: ExperimentConfig, paths: Paths, run_dir: Path, what: str, comman
     return final
 
 
+#: what verl's trainer prints when ``trainer.resume_mode=auto`` finds a checkpoint (verl 0.9 ``ray_trainer.py``)
+RESUMED = re.compile(r"Load from checkpoint folder: \S*global_step_(\d+)")
+
+
 def _done(run_dir: Path, final: Path) -> dict:
-    """The run's ``DONE.json`` record: wall seconds (after the heavy lock) and the final actor export."""
-    return {"wall_s": round(heavy_wall_s(run_dir / "main_ppo.log"), 1), "final_actor": str(final)}
+    """The run's ``DONE.json`` record: the final actor export; ``wall_s``, seconds of the last attempt (after the
+    heavy lock); ``attempts``, how many times the arm was started (retries included); ``resumed_from_step``, the
+    checkpoint the last attempt resumed from (0: it trained every step, and ``wall_s`` is the whole arm's)."""
+    log = run_dir / "main_ppo.log"
+    resumed = RESUMED.search(last_attempt(log))
+    return {"wall_s": round(heavy_wall_s(log), 1), "final_actor": str(final), "attempts": attempts(log),
+            "resumed_from_step": int(resumed.group(1)) if resumed else 0}
 
 
 def run_arm(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, teacher) -> None:

@@ -74,6 +74,7 @@ def _teacher_traces(cfg: ExperimentConfig, paths: Paths, run_dir: Path, seed: in
 
 def run_kd_arm(cfg: ExperimentConfig, paths: Paths, seed: int, student: Path, teacher: Path) -> None:
     """Run (or resume) the KD arm at ``seed``; writes ``DONE.json`` with the final model and its test F1."""
+    from verl_memopd.experiment.runner import attempts
     from verl_memopd.experiment.sft import hf_export, run_sft
     from verl_memopd.launching import cpu_env
 
@@ -104,7 +105,7 @@ def run_kd_arm(cfg: ExperimentConfig, paths: Paths, seed: int, student: Path, te
         from verl_memopd.experiment.heldout import arm_heldout_kl
 
         arm_heldout_kl(cfg, paths, KD_ARM, seed, saved, teacher)
-    done = {"wall_s": round(wall, 1), "final_actor": str(final)}
+    done = {"wall_s": round(wall, 1), "final_actor": str(final), "attempts": attempts(run_dir / "sft" / "sft.log")}
     if cfg.final_evals:
         done["test_f1"] = eval_model(final, paths.data / "test.parquet", run_dir / "test.json", cfg, paths,
                                      {"role": KD_ARM, "seed": seed, "step": sft.steps, "split": "test"})["f1"]

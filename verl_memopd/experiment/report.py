@@ -15,7 +15,8 @@ duplicates. One row per (arm, seed, step, split):
              wall seconds of the eval (test rows of arms: of the whole arm run, startup included)
 
 ``handoff.csv`` (the eval stage, ``heldout.py``): val F1 when the teacher takes over from the start student at
-call t. ``experiment.json``: the experiment's name, base model, arms, seeds and steps (the summary line's ``model=``).
+call t. ``experiment.json``: the experiment's name, base model, arms, seeds and steps (the summary line's ``model=``), and
+each finished run's ``DONE.json`` record (``runs``: wall seconds, test F1, attempts, the step a retry resumed from).
 ``sensitivity.csv`` (the sweep stage) has the same columns; its arm is ``<arm>@<variant>`` (e.g.
 ``memopd@lr3e-5``), its rows train and val only. ``diagnostics.csv`` (the diagnose stage): one row per
 model (teacher, student, ``<arm>_seed<s>``), :data:`DIAGNOSTIC_COLUMNS`; ``call_accuracy.csv`` (also the
@@ -274,6 +275,18 @@ def _write_handoff(paths: Paths) -> list[str]:
             f"  (0 = the teacher alone, {max(map(int, f1))} = the student alone)"]
 
 
+def _runs(cfg: ExperimentConfig, paths: Paths) -> dict[str, dict]:
+    """Each finished arm's ``DONE.json`` less its local path (``<arm>_seed<s>``: wall_s, test_f1, attempts,
+    resumed_from_step): which runs were retried or resumed, so a reader knows what produced the rows."""
+    runs = {}
+    for seed in cfg.arms.seeds:
+        for arm in cfg.arms.arms:
+            done = paths.arm(arm, seed) / "DONE.json"
+            if done.is_file():
+                runs[f"{arm}_seed{seed}"] = {k: v for k, v in json.loads(done.read_text()).items() if k != "final_actor"}
+    return runs
+
+
 def stage_report(cfg: ExperimentConfig, paths: Paths) -> None:
     from verl_memopd.experiment.plot import plot_metrics
 
@@ -281,7 +294,7 @@ def stage_report(cfg: ExperimentConfig, paths: Paths) -> None:
     (paths.results / "experiment.json").write_text(json.dumps(
         {"name": cfg.name, "base_model": cfg.base_model, "arms": list(cfg.arms.arms), "seeds": list(cfg.arms.seeds),
          "steps": cfg.arms.steps, "episodes_per_step": cfg.arms.episodes_per_step, "lr": cfg.arms.lr,
-         "arm_overrides": list(cfg.arm_overrides)}, indent=1) + "\n")
+         "arm_overrides": list(cfg.arm_overrides), "runs": _runs(cfg, paths)}, indent=1) + "\n")
     write_metrics(collect_rows(cfg, paths), paths.metrics_csv)
     rows = read_metrics(paths.metrics_csv)
     handoff_json = paths.evals() / "handoff.json"

@@ -15,11 +15,13 @@ import time
 from pathlib import Path
 
 
-__all__ = ["run_checked", "run_logged", "heavy", "heavy_wall_s"]
+__all__ = ["run_checked", "run_logged", "heavy", "heavy_wall_s", "attempts", "last_attempt"]
 
 
 #: printed by a heavy command once it holds the lock (epoch seconds): its own wall time starts there
 STARTED = "[experiment] heavy command started at "
+#: the header line :func:`run_logged` writes into the log before each command it runs
+HEADER = "===== "
 
 
 def heavy(cmd: list[str], timeout_s: float) -> list[str]:
@@ -38,6 +40,19 @@ def heavy_wall_s(log: Path) -> float:
     if not starts:
         raise RuntimeError(f"{log}: no '{STARTED.strip()}' line (not a heavy() command?)")
     return time.time() - float(starts[-1])
+
+
+def attempts(log: Path) -> int:
+    """How many commands :func:`run_logged` has run into ``log``: 1 for a run that went through at once, more for one
+    retried (the experiment's supervisor) or resumed (a later session) into the same log."""
+    return sum(line.startswith(HEADER) for line in log.read_text(errors="replace").splitlines())
+
+
+def last_attempt(log: Path) -> str:
+    """The output of the last command :func:`run_logged` ran into ``log`` (its header line onwards)."""
+    text = log.read_text(errors="replace")
+    start = text.rfind("\n" + HEADER)
+    return text[start + 1:] if start >= 0 else text
 
 
 def run_checked(cmd: list[str], env: dict[str, str] | None = None) -> None:
@@ -76,7 +91,7 @@ def run_logged(cmd: list[str], log: Path, env: dict[str, str], timeout_s: float 
     print(f"[experiment] $ {shlex.join(cmd)}\n[experiment]   log: {log}", flush=True)
     start = time.monotonic()
     with open(log, "ab") as out:
-        out.write(f"\n===== {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} $ {shlex.join(cmd)}\n".encode())
+        out.write(f"\n{HEADER}{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} $ {shlex.join(cmd)}\n".encode())
         out.flush()
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
         try:
