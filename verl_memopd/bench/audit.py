@@ -31,7 +31,8 @@ import torch
 
 from verl_memopd.attention import hf_name
 from verl_memopd.audit import rce_spot_check
-from verl_memopd.bench.packing import MODEL_SHAPES, SHAPE, Stream, _clock, _step, _sync, build_model, model_config
+from verl_memopd.bench.packing import (MODEL_SHAPES, SHAPE, Stream, actor_step_seconds, build_model, clock, model_config,
+                                        sync)
 from verl_memopd.packing import build_layout
 from verl_memopd.rce import EpisodeShape, SpotBatch, packed_spot_batch, random_episodes
 
@@ -64,11 +65,11 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 
 def _timed(fn: Callable[[], object], device: torch.device) -> float:
-    _sync(device)
-    start = _clock(device)
+    sync(device)
+    start = clock(device)
     fn()
-    _sync(device)
-    return _clock(device) - start
+    sync(device)
+    return clock(device) - start
 
 
 def _check(model: torch.nn.Module, batch: SpotBatch, reference: bool) -> None:
@@ -95,7 +96,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model.eval()
     batch = packed_spot_batch(model, episodes, backend)
     steps = {"forward": lambda: packed_spot_batch(model, episodes, backend),
-             "train": lambda: _step(model, Stream.of(layout), hf_name(backend), backward=True),
+             "train": lambda: actor_step_seconds(model, Stream.of(layout), hf_name(backend), backward=True),
              "check_old": lambda: _check(model, batch, reference=False),
              "check": lambda: _check(model, batch, reference=True)}
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}

@@ -61,7 +61,7 @@ from verl_memopd.segments import SegmentMeta
 from verl_memopd.trainer.groups import share_prefix
 
 __all__ = ["SHAPE", "MODEL_SHAPES", "model_config", "Stream", "grouped_episodes", "group_stream", "layout_work", "round_seconds", "step_seconds",
-           "paired_ratio", "main"]
+           "paired_ratio", "sync", "clock", "actor_step_seconds", "main"]
 
 #: Benchmark episodes: q of 256-320 tokens; blocks = memory (a slice of the previous response)
 #: + a 48-80 token chunk + a 16-48 token response, ~105 tokens on average: q / block ~ 2.7.
@@ -158,12 +158,13 @@ def layout_work(layout: Union[BatchLayout, Stream], config) -> float:
     return work
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the accelerator's queued kernels (a no-op on CPU), so a clock read after it covers them."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _clock(device: torch.device) -> float:
+def clock(device: torch.device) -> float:
     """CPU time of this process on CPU (a shared machine's load swings wall time by several x; the
     process's own CPU time hardly moves), wall time on an accelerator."""
     return time.process_time() if device.type == "cpu" else time.perf_counter()
@@ -179,15 +180,16 @@ def _hidden(model: torch.nn.Module, stream: Stream) -> torch.Tensor:
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, stream.predictors.to(device))
 
 
-def _step(model: torch.nn.Module, layout: Union[BatchLayout, Stream], impl: str, backward: bool = True) -> float:
-    """Time (``_clock``) of one forward + full-vocabulary action log-probs + backward under ``impl``, or
+def actor_step_seconds(model: torch.nn.Module, layout: Union[BatchLayout, Stream], impl: str,
+                       backward: bool = True) -> float:
+    """Time (``clock``) of one forward + full-vocabulary action log-probs + backward under ``impl``, or
     (``backward=False``) of the teacher's forward to the action positions' hidden states, without gradients."""
     stream = layout if isinstance(layout, Stream) else Stream.of(layout)
     device = model.get_input_embeddings().weight.device
     with attention_implementation(model, impl):
         model.zero_grad(set_to_none=True)
-        _sync(device)
-        start = _clock(device)
+        sync(device)
+        start = clock(device)
         if backward:
             logits = model.get_output_embeddings()(_hidden(model, stream)).float()
             logprobs = torch.log_softmax(logits, -1).gather(1, stream.action_ids.to(device).unsqueeze(1))
@@ -195,8 +197,8 @@ def _step(model: torch.nn.Module, layout: Union[BatchLayout, Stream], impl: str,
         else:
             with torch.no_grad():
                 _hidden(model, stream)
-        _sync(device)
-    return _clock(device) - start
+        sync(device)
+    return clock(device) - start
 
 
 def round_seconds(model: torch.nn.Module, variants: dict[str, tuple[Union[BatchLayout, Stream], str]], warmup: int,
@@ -209,7 +211,7 @@ def round_seconds(model: torch.nn.Module, variants: dict[str, tuple[Union[BatchL
     times: dict[str, list[float]] = {name: [] for name in variants}
     for round_ in range(warmup + repeats):
         for name, (layout, impl) in variants.items():
-            seconds = _step(model, layout, impl, backward)
+            seconds = actor_step_seconds(model, layout, impl, backward)
             if round_ >= warmup:
                 times[name].append(seconds)
     return times
@@ -230,15 +232,15 @@ def paired_ratio(times: dict[str, list[float]], baseline: str, target: str) -> f
 
 
 def profile_table(model: torch.nn.Module, layout: Union[BatchLayout, Stream], impl: str, rows: int = 25) -> str:
-    """``torch.profiler`` table of one actor step (``_step``): the top ``rows`` ops by self device time
+    """``torch.profiler`` table of one actor step (``actor_step_seconds``): the top ``rows`` ops by self device time
     (self CPU time on CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     device = model.get_input_embeddings().weight.device
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    _step(model, layout, impl)  # warm
+    actor_step_seconds(model, layout, impl)  # warm
     with profile(activities=activities) as prof:
-        _step(model, layout, impl)
+        actor_step_seconds(model, layout, impl)
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
