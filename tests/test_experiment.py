@@ -346,7 +346,8 @@ def test_done_record_says_how_many_attempts_and_where_the_last_resumed(tmp_path,
 
     monkeypatch.delenv("MEMOPD_HEAVY_LOCK", raising=False)
     log = tmp_path / "main_ppo.log"
-    run_logged(heavy(["echo", "Training from scratch"], 30), log, dict(os.environ), None)
+    run_logged(heavy(["printf", "===== a banner of the command's own =====\\nTraining from scratch\\n"], 30), log,
+               dict(os.environ), None)
     assert attempts(log) == 1 and _done(tmp_path, tmp_path)["resumed_from_step"] == 0
     with pytest.raises(RuntimeError):  # a first attempt that died after its step-5 checkpoint
         run_logged(heavy(["bash", "-c", "echo Training from scratch; exit 3"], 30), log, dict(os.environ), None)

@@ -8,6 +8,7 @@ can be serialised with other jobs on the machine through an ``flock`` file (``ME
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -42,17 +43,21 @@ def heavy_wall_s(log: Path) -> float:
     return time.time() - float(starts[-1])
 
 
+#: a header line as :func:`run_logged` writes it (a command's own output may start a line with "===== " too)
+_HEADER_LINE = re.compile(rf"^{re.escape(HEADER)}\d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\dZ \$ ", re.MULTILINE)
+
+
 def attempts(log: Path) -> int:
     """How many commands :func:`run_logged` has run into ``log``: 1 for a run that went through at once, more for one
     retried (the experiment's supervisor) or resumed (a later session) into the same log."""
-    return sum(line.startswith(HEADER) for line in log.read_text(errors="replace").splitlines())
+    return len(_HEADER_LINE.findall(log.read_text(errors="replace")))
 
 
 def last_attempt(log: Path) -> str:
     """The output of the last command :func:`run_logged` ran into ``log`` (its header line onwards)."""
     text = log.read_text(errors="replace")
-    start = text.rfind("\n" + HEADER)
-    return text[start + 1:] if start >= 0 else text
+    starts = [m.start() for m in _HEADER_LINE.finditer(text)]
+    return text[starts[-1]:] if starts else text
 
 
 def run_checked(cmd: list[str], env: dict[str, str] | None = None) -> None:
