@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,6 @@ def test_configs_are_consistent():
     assert len(full_config().arms.seeds) == 3 and full_config().arms.arms == ("memopd", "flat", "ppo")
     with pytest.raises(ValueError, match="multiple of save_every"):
         SftConfig(steps=10, batch=4, lr=1e-3, save_every=3)
-    from dataclasses import replace
 
     with pytest.raises(ValueError, match="student_eval_steps"):
         replace(full_config(), student_eval_steps=(75,))
@@ -141,6 +141,23 @@ def test_csv_round_trip_and_summary_line(tmp_path):
     assert lines[-1] == ("experiment model=tiny seeds=3 steps=10 teacher_f1=0.8200 start_f1=0.2100 memopd_f1=0.5100 "
                          "flat_f1=0.4100 ppo_f1=0.2600 kd_f1=na opd_f1=na")
     assert any(line.startswith("memopd") and "0.0100" in line for line in lines)  # std over seeds
+
+
+def test_report_keeps_committed_rows_of_runs_this_folder_lacks(tmp_path):
+    """A resumed run on a fresh machine (or a subset of arms) must not drop what earlier machines committed."""
+    from verl_memopd.experiment.report import collect_rows
+
+    cfg, paths = full_config(), Paths(tmp_path / "runs", tmp_path / "results")
+    committed = [r for r in _rows() if r["arm"] in ("memopd", "flat")]
+    write_metrics(committed, paths.metrics_csv)
+    run_dir = paths.arm("memopd", 0)  # redone here: its rows come from this folder, not from the CSV
+    run_dir.mkdir(parents=True)
+    (run_dir / "test.json").write_text(json.dumps({"step": 10, "f1": 0.9, "em": 0.8}))
+    rows = collect_rows(replace(cfg, arms=replace(cfg.arms, arms=("memopd",), seeds=(0,))), paths)
+    assert [(r["split"], r["f1"]) for r in rows if (r["arm"], r["seed"]) == ("memopd", 0)] == [("test", 0.9)]
+    kept = [r for r in rows if (r["arm"], r["seed"]) != ("memopd", 0)]
+    assert len(kept) == len([r for r in committed if (r["arm"], r["seed"]) != ("memopd", 0)]) > 0
+    assert {r["arm"] for r in kept} == {"memopd", "flat"}
 
 
 def test_diagnose_names_the_teacher_the_start_and_finished_arms(tmp_path):

@@ -1,6 +1,6 @@
 """CLI of the experiment.
 
-    python -m verl_memopd.experiment run [--experiment cpu_tiny|cpu_smollm2] [--root runs/cpu_tiny] [--results results/cpu_tiny] [--until STAGE|--only STAGE] [--arms a,b]
+    python -m verl_memopd.experiment run [--experiment cpu_tiny|cpu_smollm2] [--root runs/cpu_tiny] [--results results/cpu_tiny] [--until STAGE|--only STAGE] [--arms a,b] [--seeds 0,1]
         runs the stages in order up to the report, skipping finished ones (EXPERIMENT_SMOKE=1: the minutes-long
         smoke sizes); ``--until sweep`` adds the val-only sensitivity sweep after it;
         a stage runs under a lock file, so a second process started with --only waits instead of clashing
@@ -34,6 +34,14 @@ def _paths(args: argparse.Namespace, name: str) -> Paths:
                  results=Path(args.results or f"results/{name}").resolve())
 
 
+def _seeds(text: str) -> tuple[int, ...]:
+    """``--seeds 0,2`` -> (0, 2)."""
+    try:
+        return tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds wants comma-separated integers, got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m verl_memopd.experiment", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -42,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"last stage (default {EXPERIMENT_END}; 'sweep' adds the val-only sensitivity runs)")
     r.add_argument("--only", default=None, choices=STAGES, help="run just this stage (its inputs must exist)")
     r.add_argument("--arms", default=None, help="comma-separated subset of the arms (default: all of them)")
+    r.add_argument("--seeds", default=None, type=_seeds, help="comma-separated subset of the seeds (default: all of them); the "
+                   "report keeps the committed rows of the arms and seeds this run folder does not have")
     e = sub.add_parser("eval", help="F1 of one SFT checkpoint under the real agent loop")
     e.add_argument("--role", required=True, choices=("teacher", "student"))
     e.add_argument("--step", required=True, type=int)
@@ -62,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         if args.arms:
             cfg = replace(cfg, arms=replace(cfg.arms, arms=tuple(args.arms.split(","))))
+        if args.seeds:
+            cfg = replace(cfg, arms=replace(cfg.arms, seeds=args.seeds))
         run_pipeline(cfg, _paths(args, cfg.name), args.until, args.only)
     elif args.command == "eval":
         from verl_memopd.experiment.evaluate import eval_sft_checkpoint

@@ -105,6 +105,9 @@ def _heldout_rows(arm: str, seed: int, run_dir: Path, start: Path) -> list[Row]:
 
 
 def collect_rows(cfg: ExperimentConfig, paths: Paths) -> list[Row]:
+    """Every row the run folder's outputs give, plus the rows already in the results CSV of each (arm, seed) this run
+    folder has nothing for: the run on a fresh machine (``--arms`` / ``--seeds`` of what is left), or a subset of
+    arms, keeps what earlier machines committed. To drop a run's rows, delete them from the CSV."""
     rows = _sft_rows(paths)
     for seed in cfg.arms.seeds:
         for arm in cfg.arms.arms:
@@ -112,7 +115,9 @@ def collect_rows(cfg: ExperimentConfig, paths: Paths) -> list[Row]:
             rows += _kd_rows(seed, run_dir) if arm == KD_ARM else _arm_rows(arm, seed, run_dir)
             if run_dir.is_dir():
                 rows += _heldout_rows(arm, seed, run_dir, paths.evals() / "heldout_kl_student.json")
-    return rows
+    produced = {(r["arm"], r["seed"]) for r in rows}
+    committed = read_metrics(paths.metrics_csv) if paths.metrics_csv.is_file() else []
+    return rows + [r for r in committed if (r["arm"], r["seed"]) not in produced]
 
 
 def collect_sweep_rows(cfg: ExperimentConfig, paths: Paths) -> list[Row]:
@@ -277,8 +282,10 @@ def _write_handoff(paths: Paths) -> list[str]:
 
 def _runs(cfg: ExperimentConfig, paths: Paths) -> dict[str, dict]:
     """Each finished arm's ``DONE.json`` less its local path (``<arm>_seed<s>``: wall_s, test_f1, attempts,
-    resumed_from_step): which runs were retried or resumed, so a reader knows what produced the rows."""
-    runs = {}
+    resumed_from_step): which runs were retried or resumed, so a reader knows what produced the rows. Records of
+    runs this run folder does not have are kept from the committed ``experiment.json`` (as :func:`collect_rows`)."""
+    meta = paths.results / "experiment.json"
+    runs = json.loads(meta.read_text()).get("runs", {}) if meta.is_file() else {}
     for seed in cfg.arms.seeds:
         for arm in cfg.arms.arms:
             done = paths.arm(arm, seed) / "DONE.json"
