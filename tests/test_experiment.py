@@ -158,6 +158,14 @@ def test_report_keeps_committed_rows_of_runs_this_folder_lacks(tmp_path):
     kept = [r for r in rows if (r["arm"], r["seed"]) != ("memopd", 0)]
     assert len(kept) == len([r for r in committed if (r["arm"], r["seed"]) != ("memopd", 0)]) > 0
     assert {r["arm"] for r in kept} == {"memopd", "flat"}
+    from verl_memopd.experiment.report import _experiment_meta
+
+    (paths.results / "experiment.json").write_text(json.dumps({"arms": ["memopd", "flat"], "seeds": [0, 1, 2],
+                                                               "runs": {"flat_seed1": {"attempts": 1}}}))
+    (run_dir / "DONE.json").write_text(json.dumps({"wall_s": 1.0, "final_actor": "x", "attempts": 2}))
+    meta = _experiment_meta(replace(cfg, arms=replace(cfg.arms, arms=("memopd",), seeds=(0,))), paths)
+    assert (meta["arms"], meta["seeds"]) == (["memopd", "flat"], [0, 1, 2])
+    assert meta["runs"] == {"flat_seed1": {"attempts": 1}, "memopd_seed0": {"wall_s": 1.0, "attempts": 2}}
 
 
 def test_diagnose_names_the_teacher_the_start_and_finished_arms(tmp_path):

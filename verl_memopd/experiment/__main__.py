@@ -50,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"last stage (default {EXPERIMENT_END}; 'sweep' adds the val-only sensitivity runs)")
     r.add_argument("--only", default=None, choices=STAGES, help="run just this stage (its inputs must exist)")
     r.add_argument("--arms", default=None, help="comma-separated subset of the arms (default: all of them)")
-    r.add_argument("--seeds", default=None, type=_seeds, help="comma-separated subset of the seeds (default: all of them); the "
-                   "report keeps the committed rows of the arms and seeds this run folder does not have")
+    r.add_argument("--seeds", default=None, type=_seeds,
+                   help="comma-separated subset of the seeds (default: all of them); the report keeps the committed "
+                   "rows of the arms and seeds this run folder does not have")
     e = sub.add_parser("eval", help="F1 of one SFT checkpoint under the real agent loop")
     e.add_argument("--role", required=True, choices=("teacher", "student"))
     e.add_argument("--step", required=True, type=int)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from verl_memopd.experiment.config import KD_ARM, ExperimentConfig, Paths, SftConfig
 from verl_memopd.experiment.evaluate import eval_model
+from verl_memopd.experiment.runner import attempts
 
 __all__ = ["kd_episode_indices", "kd_sft_config", "run_kd_arm"]
 
@@ -74,7 +75,6 @@ def _teacher_traces(cfg: ExperimentConfig, paths: Paths, run_dir: Path, seed: in
 
 def run_kd_arm(cfg: ExperimentConfig, paths: Paths, seed: int, student: Path, teacher: Path) -> None:
     """Run (or resume) the KD arm at ``seed``; writes ``DONE.json`` with the final model and its test F1."""
-    from verl_memopd.experiment.runner import attempts
     from verl_memopd.experiment.sft import hf_export, run_sft
     from verl_memopd.launching import cpu_env
 

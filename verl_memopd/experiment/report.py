@@ -280,28 +280,31 @@ def _write_handoff(paths: Paths) -> list[str]:
             f"  (0 = the teacher alone, {max(map(int, f1))} = the student alone)"]
 
 
-def _runs(cfg: ExperimentConfig, paths: Paths) -> dict[str, dict]:
-    """Each finished arm's ``DONE.json`` less its local path (``<arm>_seed<s>``: wall_s, test_f1, attempts,
-    resumed_from_step): which runs were retried or resumed, so a reader knows what produced the rows. Records of
-    runs this run folder does not have are kept from the committed ``experiment.json`` (as :func:`collect_rows`)."""
-    meta = paths.results / "experiment.json"
-    runs = json.loads(meta.read_text()).get("runs", {}) if meta.is_file() else {}
+def _experiment_meta(cfg: ExperimentConfig, paths: Paths) -> dict:
+    """``experiment.json``: the experiment's settings, its arms and seeds, and each finished run's ``DONE.json`` less
+    its local path (``runs``, ``<arm>_seed<s>``: wall_s, test_f1, attempts, resumed_from_step), so a reader knows which
+    runs were retried or resumed. Arms, seeds and runs this run folder does not have are kept from the committed file
+    (as :func:`collect_rows` keeps their rows): a run of a subset (``--arms`` / ``--seeds``) narrows nothing."""
+    path = paths.results / "experiment.json"
+    committed = json.loads(path.read_text()) if path.is_file() else {}
+    runs = committed.get("runs", {})
     for seed in cfg.arms.seeds:
         for arm in cfg.arms.arms:
             done = paths.arm(arm, seed) / "DONE.json"
             if done.is_file():
                 runs[f"{arm}_seed{seed}"] = {k: v for k, v in json.loads(done.read_text()).items() if k != "final_actor"}
-    return runs
+    arms = list(dict.fromkeys([*committed.get("arms", []), *cfg.arms.arms]))
+    return {"name": cfg.name, "base_model": cfg.base_model, "arms": arms,
+            "seeds": sorted({*committed.get("seeds", []), *cfg.arms.seeds}), "steps": cfg.arms.steps,
+            "episodes_per_step": cfg.arms.episodes_per_step, "lr": cfg.arms.lr,
+            "arm_overrides": list(cfg.arm_overrides), "runs": runs}
 
 
 def stage_report(cfg: ExperimentConfig, paths: Paths) -> None:
     from verl_memopd.experiment.plot import plot_metrics
 
     paths.results.mkdir(parents=True, exist_ok=True)
-    (paths.results / "experiment.json").write_text(json.dumps(
-        {"name": cfg.name, "base_model": cfg.base_model, "arms": list(cfg.arms.arms), "seeds": list(cfg.arms.seeds),
-         "steps": cfg.arms.steps, "episodes_per_step": cfg.arms.episodes_per_step, "lr": cfg.arms.lr,
-         "arm_overrides": list(cfg.arm_overrides), "runs": _runs(cfg, paths)}, indent=1) + "\n")
+    (paths.results / "experiment.json").write_text(json.dumps(_experiment_meta(cfg, paths), indent=1) + "\n")
     write_metrics(collect_rows(cfg, paths), paths.metrics_csv)
     rows = read_metrics(paths.metrics_csv)
     handoff_json = paths.evals() / "handoff.json"
