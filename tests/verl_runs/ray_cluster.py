@@ -38,14 +38,20 @@ NODE_CPUS = 6
 JOB_ENDED = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+def free_ports(n: int, reserved: frozenset[int] = frozenset()) -> list[int]:
+    """``n`` distinct ports free now and not in ``reserved`` (ports handed out earlier that their owner may not
+    have bound yet: the OS would hand them out again)."""
+    socks = []
+    try:
+        while len(socks) < n + len(reserved):
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        ports = [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+    return [p for p in ports if p not in reserved][:n]
 
 
 def _proc_table() -> dict[int, tuple[int, int, str]]:
@@ -146,7 +152,7 @@ class LoopbackCluster:
             env.pop(key, None)
         env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
         self.env = env
-        gcs_port, dash, client = free_ports(3)
+        gcs_port, dash, client = self.head_ports = free_ports(3)
         self.gcs, self.dashboard = f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dash}"
         self.head_args = ["--head", f"--port={gcs_port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
                           f"--ray-client-server-port={client}", "--include-dashboard=true"]
@@ -154,11 +160,11 @@ class LoopbackCluster:
         self.jobs: list[str] = []
         self.followers: list[subprocess.Popen] = []
 
-    @staticmethod
-    def _node_args(i: int) -> list[str]:
+    def _node_args(self, i: int) -> list[str]:
         # free now, not when the cluster was made: a node restarted minutes later would find ports taken meanwhile
-        # by the jobs' workers (its dashboard agent then fails to bind and the raylet exits with it)
-        listen, grpc, runtime_env, metrics = free_ports(4)
+        # by the jobs' workers (its dashboard agent then fails to bind and the raylet exits with it); never the
+        # head's, which its dashboard may not have bound yet (Ray refuses two components on one port)
+        listen, grpc, runtime_env, metrics = free_ports(4, frozenset(self.head_ports))
         return ["--node-ip-address=127.0.0.1", f"--num-cpus={NODE_CPUS}", "--num-gpus=1",
                 f"--resources={json.dumps({f'memopd_node_{i}': 1})}", f"--dashboard-agent-listen-port={listen}",
                 f"--dashboard-agent-grpc-port={grpc}", f"--runtime-env-agent-port={runtime_env}",
