@@ -302,6 +302,25 @@ def test_summary_cli_prints_the_line(tmp_path):
     assert out.strip().splitlines()[-1].startswith("experiment model=smollm2 seeds=3 steps=10 teacher_f1=0.8200")
 
 
+def test_summary_markdown_is_the_readme_table(tmp_path):
+    """Per arm: test F1 mean ± std with each seed's value, final val F1, held-out KL (start from step 0), the runs' wall."""
+    rows = _rows() + [dict(arm=arm, seed=seed, step=step, split="heldout", f1=None, em=None,
+                           reverse_kl=0.3 if step == 0 else 0.1 + 0.01 * seed, teacher_aligned_vs_flat_kl=None,
+                           wall_s=None) for arm in ("memopd", "flat", "ppo") for seed in (0, 1, 2) for step in (0, 10)]
+    path = tmp_path / "metrics.csv"
+    write_metrics(rows, path)
+    runs = {f"memopd_seed{s}": {"wall_s": 1000.0 + 100 * s} for s in (0, 1, 2)}
+    (tmp_path / "experiment.json").write_text(json.dumps({"base_model": "smollm2", "runs": runs}))
+    out = subprocess.run([sys.executable, "-m", "verl_memopd.experiment", "summary", str(path), "--markdown"],
+                         capture_output=True, text=True, check=True).stdout.strip().splitlines()
+    assert out[0] == ("| arm | seeds | test F1, mean ± std (each seed) | val F1 at step 10 | held-out KL at step 10 "
+                      "(start 0.300) | wall / seed |")
+    assert out[2] == ("| MemOPD | 3 | 0.510 ± 0.010 (seeds 0, 1, 2: 0.500 / 0.510 / 0.520) | 0.510 ± 0.010 | "
+                      "0.110 ± 0.010 | 1,100 s |")
+    assert out[4].startswith("| PPO alone (`memopd.distill.coef=0`) | 3 | 0.260 ± 0.010") and out[4].endswith("| na |")
+    assert len(out) == 5  # no row for the arms without a test row (kd, opd)
+
+
 def test_plot_reference_is_the_latest_tested_checkpoint():
     from verl_memopd.experiment.plot import _reference
 

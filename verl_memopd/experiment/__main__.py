@@ -9,7 +9,8 @@
     python -m verl_memopd.experiment summary results/cpu_tiny/metrics.csv
         the final test-split table; last line:
         ``experiment model=<m> seeds=<n> steps=<s> teacher_f1=<t> start_f1=<f0> memopd_f1=<a> flat_f1=<b> ppo_f1=<c>
-        kd_f1=<d> opd_f1=<e>`` (na for an arm without a test row)
+        kd_f1=<d> opd_f1=<e>`` (na for an arm without a test row); ``--markdown``: the arms' table in markdown instead
+        (the README's "Does it learn?" table)
     python -m verl_memopd.experiment plot results/cpu_tiny/metrics.csv [--out f1.png]
 """
 
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--results", default=None, help="committed results (default results/<name>)")
     s = sub.add_parser("summary", help="final test-split table from metrics.csv")
     s.add_argument("csv")
+    s.add_argument("--markdown", action="store_true",
+                   help="the arms' table in markdown (test F1 per seed, val F1, held-out KL, wall) instead")
     pl = sub.add_parser("plot", help="f1.png from metrics.csv")
     pl.add_argument("csv")
     pl.add_argument("--out", default=None)
@@ -81,9 +84,13 @@ def main(argv: list[str] | None = None) -> int:
 
         print(eval_sft_checkpoint(cfg, _paths(args, cfg.name), args.role, args.step, args.split))
     elif args.command == "summary":
-        from verl_memopd.experiment.report import experiment_model, read_metrics, summary_lines
+        from verl_memopd.experiment.report import (experiment_model, experiment_runs, markdown_lines, read_metrics,
+                                                   summary_lines)
 
-        print("\n".join(summary_lines(read_metrics(Path(args.csv)), experiment_model(Path(args.csv)))))
+        rows, csv_path = read_metrics(Path(args.csv)), Path(args.csv)
+        lines = (markdown_lines(rows, experiment_runs(csv_path)) if args.markdown
+                 else summary_lines(rows, experiment_model(csv_path)))
+        print("\n".join(lines))
     else:
         from verl_memopd.experiment.plot import plot_metrics
         from verl_memopd.experiment.report import read_metrics

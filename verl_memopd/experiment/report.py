@@ -36,7 +36,7 @@ from verl_memopd.experiment.launch import read_log, val_scores
 from verl_memopd.launching import parse_steps
 
 __all__ = ["COLUMNS", "DIAGNOSTIC_COLUMNS", "CALL_COLUMNS", "collect_rows", "collect_sweep_rows", "write_metrics",
-           "read_metrics", "summary_lines", "experiment_model", "sensitivity_lines", "diagnostic_lines", "call_accuracy_lines",
+           "read_metrics", "summary_lines", "markdown_lines", "experiment_model", "experiment_runs", "sensitivity_lines", "diagnostic_lines", "call_accuracy_lines",
            "stage_report"]
 
 COLUMNS = ("arm", "seed", "step", "split", "f1", "em", "reverse_kl", "teacher_aligned_vs_flat_kl", "wall_s")
@@ -195,6 +195,43 @@ def summary_lines(rows: list[Row], model: str = "na") -> list[str]:
     return lines
 
 
+#: the arms as the markdown table names them (their Hydra overrides: :data:`ARMS`)
+ARM_LABELS = {"memopd": "MemOPD", "flat": "persistent-history teacher (`memopd.teacher.state=flat`)",
+              "ppo": "PPO alone (`memopd.distill.coef=0`)", "opd": "OPD alone (`memopd.ppo_coef=0`)",
+              "kd": "off-policy KD (verl SFT on the teacher's greedy trajectories)"}
+
+
+def _mean_std(xs: list[float]) -> str:
+    if not xs:
+        return "na"
+    return f"{xs[0]:.3f}" if len(xs) == 1 else f"{statistics.fmean(xs):.3f} ± {statistics.stdev(xs):.3f}"
+
+
+def markdown_lines(rows: list[Row], runs: dict[str, dict]) -> list[str]:
+    """The arms' final rows as a markdown table (the README's): test F1 mean ± std over seeds with each seed's value,
+    val F1 and held-out KL at the final step, and the mean wall seconds of a seed's training run (``runs``:
+    ``experiment.json``'s records; a KD run's is its SFT alone)."""
+    start_kl = [r["reverse_kl"] for r in rows if r["split"] == "heldout" and r["step"] == 0]
+    steps = max((r["step"] for arm in ARMS for r in _final(rows, arm, "test").values()), default=0)
+    kl_head = f"held-out KL at step {steps}" + (f" (start {start_kl[0]:.3f})" if start_kl else "")
+    lines = [f"| arm | seeds | test F1, mean ± std (each seed) | val F1 at step {steps} | {kl_head} | wall / seed |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for arm in ARMS:
+        test = _final(rows, arm, "test")
+        if not test:
+            continue
+        seeds = sorted(test)
+        f1s = [test[s]["f1"] for s in seeds]
+        val = [r["f1"] for r in _final(rows, arm, "val").values()]
+        kl = [r["reverse_kl"] for r in _final(rows, arm, "heldout").values() if r["reverse_kl"] is not None]
+        walls = [runs[f"{arm}_seed{s}"]["wall_s"] for s in seeds if f"{arm}_seed{s}" in runs]
+        per_seed = " / ".join(f"{x:.3f}" for x in f1s)
+        lines.append(f"| {ARM_LABELS[arm]} | {len(seeds)} | {_mean_std(f1s)} (seeds {', '.join(map(str, seeds))}: "
+                     f"{per_seed}) | {_mean_std(val)} | {_mean_std(kl)} | "
+                     f"{f'{statistics.fmean(walls):,.0f} s' if walls else 'na'} |")
+    return lines
+
+
 def sensitivity_lines(sweep: list[Row], arms: list[Row], seed: int) -> list[str]:
     """Val F1 at each validated step: the matched arms at ``seed`` (``<arm>@arms``), then each sweep run."""
     base = [dict(r, arm=f"{r['arm']}@arms") for r in arms if r["arm"] in ARMS and r["seed"] == seed]
@@ -263,6 +300,12 @@ def experiment_model(metrics_csv: Path) -> str:
     """The base model named by ``experiment.json`` next to ``metrics_csv`` ("na" without one)."""
     meta = metrics_csv.with_name("experiment.json")
     return json.loads(meta.read_text())["base_model"] if meta.is_file() else "na"
+
+
+def experiment_runs(metrics_csv: Path) -> dict[str, dict]:
+    """The finished runs' records in ``experiment.json`` next to ``metrics_csv`` ({} without one)."""
+    meta = metrics_csv.with_name("experiment.json")
+    return json.loads(meta.read_text()).get("runs", {}) if meta.is_file() else {}
 
 
 def _write_handoff(paths: Paths) -> list[str]:
