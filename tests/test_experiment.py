@@ -303,7 +303,7 @@ def test_summary_cli_prints_the_line(tmp_path):
 
 
 def test_summary_markdown_is_the_readme_table(tmp_path):
-    """Per arm: test F1 mean ± std with each seed's value, final val F1, held-out KL (start from step 0), the runs' wall."""
+    """Per arm: test F1 mean ± std with each seed's value, final val F1, held-out KL (start: step 0), runs' wall."""
     rows = _rows() + [dict(arm=arm, seed=seed, step=step, split="heldout", f1=None, em=None,
                            reverse_kl=0.3 if step == 0 else 0.1 + 0.01 * seed, teacher_aligned_vs_flat_kl=None,
                            wall_s=None) for arm in ("memopd", "flat", "ppo") for seed in (0, 1, 2) for step in (0, 10)]

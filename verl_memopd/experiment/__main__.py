@@ -84,12 +84,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(eval_sft_checkpoint(cfg, _paths(args, cfg.name), args.role, args.step, args.split))
     elif args.command == "summary":
-        from verl_memopd.experiment.report import (experiment_model, experiment_runs, markdown_lines, read_metrics,
-                                                   summary_lines)
+        from verl_memopd.experiment.report import markdown_lines, read_experiment, read_metrics, summary_lines
 
-        rows, csv_path = read_metrics(Path(args.csv)), Path(args.csv)
-        lines = (markdown_lines(rows, experiment_runs(csv_path)) if args.markdown
-                 else summary_lines(rows, experiment_model(csv_path)))
+        rows, meta = read_metrics(Path(args.csv)), read_experiment(Path(args.csv).parent)
+        lines = (markdown_lines(rows, meta.get("runs", {})) if args.markdown
+                 else summary_lines(rows, meta.get("base_model", "na")))
         print("\n".join(lines))
     else:
         from verl_memopd.experiment.plot import plot_metrics

@@ -36,8 +36,8 @@ from verl_memopd.experiment.launch import read_log, val_scores
 from verl_memopd.launching import parse_steps
 
 __all__ = ["COLUMNS", "DIAGNOSTIC_COLUMNS", "CALL_COLUMNS", "collect_rows", "collect_sweep_rows", "write_metrics",
-           "read_metrics", "summary_lines", "markdown_lines", "experiment_model", "experiment_runs", "sensitivity_lines", "diagnostic_lines", "call_accuracy_lines",
-           "stage_report"]
+           "read_metrics", "read_experiment", "summary_lines", "markdown_lines", "sensitivity_lines",
+           "diagnostic_lines", "call_accuracy_lines", "stage_report"]
 
 COLUMNS = ("arm", "seed", "step", "split", "f1", "em", "reverse_kl", "teacher_aligned_vs_flat_kl", "wall_s")
 Row = dict
@@ -225,10 +225,10 @@ def markdown_lines(rows: list[Row], runs: dict[str, dict]) -> list[str]:
         val = [r["f1"] for r in _final(rows, arm, "val").values()]
         kl = [r["reverse_kl"] for r in _final(rows, arm, "heldout").values() if r["reverse_kl"] is not None]
         walls = [runs[f"{arm}_seed{s}"]["wall_s"] for s in seeds if f"{arm}_seed{s}" in runs]
-        per_seed = " / ".join(f"{x:.3f}" for x in f1s)
-        lines.append(f"| {ARM_LABELS[arm]} | {len(seeds)} | {_mean_std(f1s)} (seeds {', '.join(map(str, seeds))}: "
-                     f"{per_seed}) | {_mean_std(val)} | {_mean_std(kl)} | "
-                     f"{f'{statistics.fmean(walls):,.0f} s' if walls else 'na'} |")
+        per_seed = f"seeds {', '.join(map(str, seeds))}: " + " / ".join(f"{x:.3f}" for x in f1s)
+        wall = f"{statistics.fmean(walls):,.0f} s" if walls else "na"
+        lines.append(f"| {ARM_LABELS.get(arm, arm)} | {len(seeds)} | {_mean_std(f1s)} ({per_seed}) | "
+                     f"{_mean_std(val)} | {_mean_std(kl)} | {wall} |")
     return lines
 
 
@@ -296,16 +296,10 @@ def _write_call_accuracy(cfg: ExperimentConfig, paths: Paths) -> dict[str, list[
     return results
 
 
-def experiment_model(metrics_csv: Path) -> str:
-    """The base model named by ``experiment.json`` next to ``metrics_csv`` ("na" without one)."""
-    meta = metrics_csv.with_name("experiment.json")
-    return json.loads(meta.read_text())["base_model"] if meta.is_file() else "na"
-
-
-def experiment_runs(metrics_csv: Path) -> dict[str, dict]:
-    """The finished runs' records in ``experiment.json`` next to ``metrics_csv`` ({} without one)."""
-    meta = metrics_csv.with_name("experiment.json")
-    return json.loads(meta.read_text()).get("runs", {}) if meta.is_file() else {}
+def read_experiment(results: Path) -> dict:
+    """The ``experiment.json`` in the results folder ``results`` ({} without one)."""
+    path = results / "experiment.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _write_handoff(paths: Paths) -> list[str]:
@@ -328,14 +322,14 @@ def _experiment_meta(cfg: ExperimentConfig, paths: Paths) -> dict:
     its local path (``runs``, ``<arm>_seed<s>``: wall_s, test_f1, attempts, resumed_from_step), so a reader knows which
     runs were retried or resumed. Arms, seeds and runs this run folder does not have are kept from the committed file
     (as :func:`collect_rows` keeps their rows): a run of a subset (``--arms`` / ``--seeds``) narrows nothing."""
-    path = paths.results / "experiment.json"
-    committed = json.loads(path.read_text()) if path.is_file() else {}
+    committed = read_experiment(paths.results)
     runs = committed.get("runs", {})
     for seed in cfg.arms.seeds:
         for arm in cfg.arms.arms:
             done = paths.arm(arm, seed) / "DONE.json"
             if done.is_file():
-                runs[f"{arm}_seed{seed}"] = {k: v for k, v in json.loads(done.read_text()).items() if k != "final_actor"}
+                record = json.loads(done.read_text())
+                runs[f"{arm}_seed{seed}"] = {k: v for k, v in record.items() if k != "final_actor"}
     arms = list(dict.fromkeys([*committed.get("arms", []), *cfg.arms.arms]))
     return {"name": cfg.name, "base_model": cfg.base_model, "arms": arms,
             "seeds": sorted({*committed.get("seeds", []), *cfg.arms.seeds}), "steps": cfg.arms.steps,
