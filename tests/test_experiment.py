@@ -303,14 +303,15 @@ def test_summary_cli_prints_the_line(tmp_path):
 
 
 def test_summary_markdown_is_the_readme_table(tmp_path):
-    """Per arm: test F1 mean ± std with each seed's value, final val F1, held-out KL (start: step 0), runs' wall."""
-    rows = _rows() + [dict(arm=arm, seed=seed, step=step, split="heldout", f1=None, em=None,
-                           reverse_kl=0.3 if step == 0 else 0.1 + 0.01 * seed, teacher_aligned_vs_flat_kl=None,
-                           wall_s=None) for arm in ("memopd", "flat", "ppo") for seed in (0, 1, 2) for step in (0, 10)]
+    """Per arm: test F1 mean ± std with each seed's value, final val F1, held-out KL (start: step 0), wall."""
+    walls = {"memopd": lambda seed: 1000.0 + 100 * seed, "ppo": lambda seed: None}  # the test rows' (DONE.json's)
+    rows = [dict(r, wall_s=walls[r["arm"]](r["seed"])) if r["split"] == "test" and r["arm"] in walls else r
+            for r in _rows()]
+    rows += [dict(arm=arm, seed=seed, step=step, split="heldout", f1=None, em=None,
+                  reverse_kl=0.3 if step == 0 else 0.1 + 0.01 * seed, teacher_aligned_vs_flat_kl=None,
+                  wall_s=None) for arm in ("memopd", "flat", "ppo") for seed in (0, 1, 2) for step in (0, 10)]
     path = tmp_path / "metrics.csv"
     write_metrics(rows, path)
-    runs = {f"memopd_seed{s}": {"wall_s": 1000.0 + 100 * s} for s in (0, 1, 2)}
-    (tmp_path / "experiment.json").write_text(json.dumps({"base_model": "smollm2", "runs": runs}))
     out = subprocess.run([sys.executable, "-m", "verl_memopd.experiment", "summary", str(path), "--markdown"],
                          capture_output=True, text=True, check=True).stdout.strip().splitlines()
     assert out[0] == ("| arm | seeds | test F1, mean ± std (each seed) | val F1 at step 10 | held-out KL at step 10 "

@@ -86,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "summary":
         from verl_memopd.experiment.report import markdown_lines, read_experiment, read_metrics, summary_lines
 
-        rows, meta = read_metrics(Path(args.csv)), read_experiment(Path(args.csv).parent)
-        lines = (markdown_lines(rows, meta.get("runs", {})) if args.markdown
-                 else summary_lines(rows, meta.get("base_model", "na")))
+        rows = read_metrics(Path(args.csv))
+        lines = (markdown_lines(rows) if args.markdown
+                 else summary_lines(rows, read_experiment(Path(args.csv).parent).get("base_model", "na")))
         print("\n".join(lines))
     else:
         from verl_memopd.experiment.plot import plot_metrics

@@ -60,6 +60,15 @@ def _sft_rows(paths: Paths) -> list[Row]:
     return sorted(rows, key=lambda r: (r["arm"], r["step"], r["split"]))  # file names sort step 2000 before 500
 
 
+def _test_rows(arm: str, seed: int, run_dir: Path) -> list[Row]:
+    """The run's test eval (``test.json``) with the wall seconds of its ``DONE.json``; [] before the test eval."""
+    if not (run_dir / "test.json").is_file():
+        return []
+    t = json.loads((run_dir / "test.json").read_text())
+    done = json.loads((run_dir / "DONE.json").read_text()) if (run_dir / "DONE.json").is_file() else {}
+    return [_row(arm, seed, t["step"], "test", t["f1"], t["em"], wall_s=done.get("wall_s"))]
+
+
 def _arm_rows(arm: str, seed: int, run_dir: Path) -> list[Row]:
     steps = parse_steps(read_log(run_dir / "main_ppo.log"))
     rows, wall = [], 0.0
@@ -73,11 +82,7 @@ def _arm_rows(arm: str, seed: int, run_dir: Path) -> list[Row]:
         scores = val_scores(m)
         if scores:
             rows.append(_row(arm, seed, step, "val", scores["f1"], scores["em"], wall_s=round(wall, 1)))
-    if (run_dir / "test.json").is_file():
-        t = json.loads((run_dir / "test.json").read_text())
-        done = json.loads((run_dir / "DONE.json").read_text()) if (run_dir / "DONE.json").is_file() else {}
-        rows.append(_row(arm, seed, t["step"], "test", t["f1"], t["em"], wall_s=done.get("wall_s")))
-    return rows
+    return rows + _test_rows(arm, seed, run_dir)
 
 
 def _kd_rows(seed: int, run_dir: Path) -> list[Row]:
@@ -86,11 +91,7 @@ def _kd_rows(seed: int, run_dir: Path) -> list[Row]:
     for path in sorted(run_dir.glob("val_step*.json"), key=lambda f: int(f.stem.removeprefix("val_step"))):
         r = json.loads(path.read_text())
         rows.append(_row(KD_ARM, seed, r["step"], "val", r["f1"], r["em"], wall_s=r["wall_s"]))
-    if (run_dir / "test.json").is_file():
-        t = json.loads((run_dir / "test.json").read_text())
-        done = json.loads((run_dir / "DONE.json").read_text()) if (run_dir / "DONE.json").is_file() else {}
-        rows.append(_row(KD_ARM, seed, t["step"], "test", t["f1"], t["em"], wall_s=done.get("wall_s")))
-    return rows
+    return rows + _test_rows(KD_ARM, seed, run_dir)
 
 
 def _heldout_rows(arm: str, seed: int, run_dir: Path, start: Path) -> list[Row]:
@@ -207,10 +208,10 @@ def _mean_std(xs: list[float]) -> str:
     return f"{xs[0]:.3f}" if len(xs) == 1 else f"{statistics.fmean(xs):.3f} ± {statistics.stdev(xs):.3f}"
 
 
-def markdown_lines(rows: list[Row], runs: dict[str, dict]) -> list[str]:
+def markdown_lines(rows: list[Row]) -> list[str]:
     """The arms' final rows as a markdown table (the README's): test F1 mean ± std over seeds with each seed's value,
-    val F1 and held-out KL at the final step, and the mean wall seconds of a seed's training run (``runs``:
-    ``experiment.json``'s records; a KD run's is its SFT alone)."""
+    val F1 and held-out KL at the final step, and the mean wall seconds of a seed's training run (the test rows'
+    ``wall_s``, from ``DONE.json``; a KD run's is its SFT alone)."""
     start_kl = [r["reverse_kl"] for r in rows if r["split"] == "heldout" and r["step"] == 0]
     steps = max((r["step"] for arm in ARMS for r in _final(rows, arm, "test").values()), default=0)
     kl_head = f"held-out KL at step {steps}" + (f" (start {start_kl[0]:.3f})" if start_kl else "")
@@ -224,7 +225,7 @@ def markdown_lines(rows: list[Row], runs: dict[str, dict]) -> list[str]:
         f1s = [test[s]["f1"] for s in seeds]
         val = [r["f1"] for r in _final(rows, arm, "val").values()]
         kl = [r["reverse_kl"] for r in _final(rows, arm, "heldout").values() if r["reverse_kl"] is not None]
-        walls = [runs[f"{arm}_seed{s}"]["wall_s"] for s in seeds if f"{arm}_seed{s}" in runs]
+        walls = [test[s]["wall_s"] for s in seeds if test[s]["wall_s"] is not None]
         per_seed = f"seeds {', '.join(map(str, seeds))}: " + " / ".join(f"{x:.3f}" for x in f1s)
         wall = f"{statistics.fmean(walls):,.0f} s" if walls else "na"
         lines.append(f"| {ARM_LABELS.get(arm, arm)} | {len(seeds)} | {_mean_std(f1s)} ({per_seed}) | "
