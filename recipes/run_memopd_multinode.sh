@@ -15,7 +15,7 @@
 # it and ends the run, so the job ends FAILED instead of waiting; resubmit with trainer.resume_mode=auto to
 # continue from the last checkpoint (trainer.save_freq) once the node is back.
 # Hardware: NNODES nodes x GPUS_PER_NODE (8) GPUs of 80 GB, each with an NVIDIA driver for CUDA 13 (Linux
-#   >= 580.65.06; check with python -m verl_memopd.gpucheck), one Ray node per machine, started beforehand:
+#   >= 580.65.06; check with python -m verl_memopd.bench.gpucheck), one Ray node per machine, started beforehand:
 #   head:   ray start --head --port=6379 --dashboard-host=0.0.0.0 --num-gpus=8
 #   others: ray start --address=<head>:6379 --num-gpus=8
 # Every node needs:

@@ -8,7 +8,7 @@
 #   MEMOPD_PREPARE_ONLY=1 bash recipes/run_memopd_qwen2.5_3b_7b_1node.sh  fetch the models, build the data, stop
 # Hardware: 1 node, 8x 80 GB GPUs (A100/H100/H200), ~200 GB host RAM, ~25 GB disk for the two models.
 #   Driver: an NVIDIA driver for CUDA 13 (Linux >= 580.65.06, R580+; torch 2.11.0 / vLLM 0.24.0 are CUDA 13.0
-#   builds); `python -m verl_memopd.gpucheck` checks it (exit 4 when too old) and the GPU path in <= 10 min.
+#   builds); `python -m verl_memopd.bench.gpucheck` checks it (exit 4 when too old) and the GPU path in <= 10 min.
 #   6 GPUs (trainer.n_gpus_per_node): the FSDP-sharded 3B actor, critic and reference, and one vLLM replica of
 #   the student per GPU (TP 1, 40% of its memory). 2 GPUs (memopd.teacher.n_gpus_per_node): the 7B teacher's
 #   own resource pool (forward only, bf16 FSDP, ~8 GB of weights per GPU). TEACHER_GPUS_PER_NODE moves the split;
@@ -29,7 +29,7 @@
 #   console; validation F1 (val-core/memopd_memory/3b/reward/mean@1) rising over the first ~100 steps and the
 #   teacher KL (memopd/*) falling; at the end, MemOPD's F1 above the flat-history baseline (paper: +7.0% F1)
 #   and far above PPO alone (paper: up to +416%). Packing cuts actor time (paper: up to 1.63x); check the
-#   GPU path first with `python -m verl_memopd.gpucheck`.
+#   GPU path first with `python -m verl_memopd.bench.gpucheck`.
 set -euo pipefail
 data="${MEMOPD_DATA:-$HOME/data/memopd_3b}"
 student="${STUDENT:-$HOME/models/Qwen2.5-3B-Instruct}"

@@ -27,6 +27,6 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """The tiny student and teacher (built once per test session, offline, seed 0)."""
-    from verl_memopd.tiny import build
+    from verl_memopd.bench.tiny import build
 
     return build(tmp_path_factory.mktemp("tiny"), seed=0)

@@ -372,7 +372,7 @@ def _converted_rows(tokenizer, n, chunk_tokens=32):
 # --- real vLLM CPU rollouts through verl's own server (slow) --------------------------------
 # The rollout runs in a subprocess (this file's __main__ block): verl resolves its platform once
 # per process and vLLM/Ray want a clean process, so VERL_PLATFORM=cpu is set before verl loads.
-# It runs on the CPU platform (``+profile=cpu``, ``verl_memopd.launching.cpu_env``) with the tiny student.
+# It runs on the CPU platform (``+profile=cpu``, ``verl_memopd.experiment.launching.cpu_env``) with the tiny student.
 VLLM_BUDGETS = {"memory_tokens": 24, "answer_tokens": 16}
 VLLM_EPISODES = 6
 VLLM_CONVERTED = 2  # episodes of converted MemAgent-style rows (tasks convert), run on the same server
@@ -462,7 +462,7 @@ def vllm_runs(tiny_models, tmp_path_factory):
     import subprocess
     import sys
 
-    from verl_memopd.launching import cpu_env
+    from verl_memopd.experiment.launching import cpu_env
 
     tmp = tmp_path_factory.mktemp("vllm")
     out = tmp / "runs.json"

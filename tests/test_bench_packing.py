@@ -10,7 +10,7 @@ from verl_memopd.bench import __main__ as bench
 from verl_memopd.bench.packing import group_stream, grouped_episodes, layout_work, paired_ratio
 from verl_memopd.packing import build_layout
 from verl_memopd.rce import EpisodeShape, random_episodes
-from verl_memopd.tiny import teacher_config
+from verl_memopd.bench.tiny import teacher_config
 
 CONFIG = teacher_config(vocab_size=64)
 

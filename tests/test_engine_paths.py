@@ -14,7 +14,7 @@ packed MemOPD rows plus a verl padding row, on both of verl's micro-batch paths.
 
 The engine is built without ``__init__`` (verl's FSDP set-up needs a process group and an optimizer;
 FSDP wrapping does not change a single rank's forward) and the device helpers return "cpu".
-Still GPU-only (``python -m verl_memopd.gpucheck``): FSDP1 itself (it needs an accelerator), the
+Still GPU-only (``python -m verl_memopd.bench.gpucheck``): FSDP1 itself (it needs an accelerator), the
 ``memopd_fa2`` / ``memopd_torch_varlen`` kernels, bf16 autocast on CUDA kernels, vLLM's CUDA rollout.
 """
 
@@ -32,7 +32,7 @@ from verl.workers.engine.fsdp import transformer_impl
 from verl_memopd.attention import attention_implementation
 from verl_memopd.packing import pack_episode
 from verl_memopd.rce import TOLERANCES, EpisodeShape, random_episodes
-from verl_memopd.tiny import student_model
+from verl_memopd.bench.tiny import student_model
 from verl_memopd.trainer.calls import calls_alone
 from verl_memopd.trainer.engine import MemopdLMEngine
 from verl_memopd.trainer.rows import SEGMENT_IDS

@@ -15,7 +15,7 @@ import pytest
 from verl_memopd.experiment.config import (ExperimentConfig, Paths, SftConfig, SweepConfig, Variant, full_config,
                                            smoke_config)
 from verl_memopd.experiment.launch import val_scores
-from verl_memopd.launching import parse_steps
+from verl_memopd.experiment.launching import parse_steps
 from verl_memopd.experiment.report import (COLUMNS, diagnostic_lines, read_metrics, sensitivity_lines, summary_lines,
                                            write_metrics)
 from verl_memopd.experiment.sft import fp32_export, sft_losses

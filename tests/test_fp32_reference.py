@@ -23,7 +23,7 @@ from verl_memopd.fp32_reference import fp32_replica, sharding
 from verl_memopd.packing import pack_episode
 from verl_memopd.rce import ROW_FAULTS, SELF_TEST_QK_SCALE, EpisodeShape, random_episodes, sharpen_attention, \
     spot_check_rows
-from verl_memopd.tiny import student_model
+from verl_memopd.bench.tiny import student_model
 
 VOCAB = 256
 SHAPE = EpisodeShape(prefix_len=(4, 16), chunk_len=(1, 8), response_len=(1, 8))

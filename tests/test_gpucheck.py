@@ -1,4 +1,4 @@
-"""``python -m verl_memopd.gpucheck`` on a machine without CUDA, and its machinery on CPU.
+"""``python -m verl_memopd.bench.gpucheck`` on a machine without CUDA, and its machinery on CPU.
 
 The GPU checks themselves (flash-attn, CUDA memory, the GPU training run) run only on a GPU; here:
 the no-CUDA and old-driver exits and messages, the driver verdict, the plain-PyTorch attention that
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_memopd import gpucheck
+from verl_memopd.bench import gpucheck
 from verl_memopd.attention import get_backend
-from verl_memopd.gpucheck import NO_CUDA_STATUS, OLD_DRIVER_STATUS, TRAIN_METRICS, CudaVersions, ModelShape, \
+from verl_memopd.bench.gpucheck import NO_CUDA_STATUS, OLD_DRIVER_STATUS, TRAIN_METRICS, CudaVersions, ModelShape, \
     _no_cuda_reason, _packed_meta, attention_check, driver_check, packing_check, \
     plain_bf16_attention, run_checks, summary_line, train_check, train_command, train_result
 
@@ -29,7 +29,7 @@ needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the
 
 @needs_no_cuda
 def test_exits_with_distinct_status_and_says_why_without_cuda():
-    done = subprocess.run([sys.executable, "-m", "verl_memopd.gpucheck"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "verl_memopd.bench.gpucheck"], capture_output=True, text=True, timeout=120)
     assert done.returncode == NO_CUDA_STATUS == 3, done.stdout + done.stderr
     assert "no CUDA device visible" in done.stderr and "CPU build of torch" in done.stderr
     assert "gpucheck attention" not in done.stdout

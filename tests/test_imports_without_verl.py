@@ -50,7 +50,7 @@ STAGES = (
     "verl_memopd.agent", "verl_memopd.agent.context", "verl_memopd.records", "verl_memopd.packing",
     "verl_memopd.segments", "verl_memopd.attention", "verl_memopd.supervision", "verl_memopd.losses",
     "verl_memopd.losses.chunked", "verl_memopd.losses.divergences", "verl_memopd.losses.bins",
-    "verl_memopd.rce", "verl_memopd.tiny", "verl_memopd.bench", "verl_memopd.bench.kl",
+    "verl_memopd.rce", "verl_memopd.bench.tiny", "verl_memopd.bench", "verl_memopd.bench.kl",
     "verl_memopd.bench.packing", "verl_memopd.bench.transport",
 )
 

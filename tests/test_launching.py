@@ -1,4 +1,4 @@
-"""verl_memopd.launching: verl's console step lines, the run environments, the time bound (shared by the GPU
+"""verl_memopd.experiment.launching: verl's console step lines, the run environments, the time bound (shared by the GPU
 check, the experiment and the tests' launcher)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import sys
 
-from verl_memopd.launching import cpu_env, offline_env, parse_steps, run_bounded
+from verl_memopd.experiment.launching import cpu_env, offline_env, parse_steps, run_bounded
 
 
 def test_step_lines_are_parsed_numbers_only_and_merged_per_step():

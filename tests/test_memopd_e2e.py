@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_memopd.launching import cpu_env
+from verl_memopd.experiment.launching import cpu_env
 from verl_runs.launcher import non_finite, run_command
 
 REPO = Path(__file__).resolve().parents[1]

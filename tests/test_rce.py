@@ -14,7 +14,7 @@ from verl_memopd.packing import build_layout, pack_episode
 from verl_memopd.rce import EpisodeShape, random_episodes, rce_audit, reference_logits, reversed_block_packer, self_test
 from verl_memopd.records import Episode
 from verl_memopd.segments import segment_meta
-from verl_memopd.tiny import student_model
+from verl_memopd.bench.tiny import student_model
 
 VOCAB = 256
 SHAPE = EpisodeShape(prefix_len=(4, 24), chunk_len=(1, 12), response_len=(1, 10))

@@ -1,7 +1,7 @@
 """Your own data: MemAgent-style and plain records -> agent rows (fields, chunking, refusals, CLI).
 
 Fixtures are written here and in ``fixtures/longqa.py`` (nothing is downloaded); chunks are measured
-with the tiny models' tokenizer (``python -m verl_memopd.tiny``, the ``tiny_models`` fixture).
+with the tiny models' tokenizer (``python -m verl_memopd.bench.tiny``, the ``tiny_models`` fixture).
 """
 
 import json

@@ -38,7 +38,7 @@ from verl_memopd.losses.actor import (
 from verl_memopd.packing import pack_episode
 from verl_memopd.rce import EpisodeShape, random_episodes
 from verl_memopd.supervision import TEACHER_HIDDEN, encode_teacher_rows, get_transport
-from verl_memopd.tiny import student_config, teacher_config
+from verl_memopd.bench.tiny import student_config, teacher_config
 from verl_memopd.trainer import ppo
 from verl_memopd.trainer.audit import TEACHER_HIDDEN_ALIGNED, TEACHER_HIDDEN_FLAT, teacher_layout_kl
 from verl_memopd.trainer.config import AuditConfig, DistillConfig, MemopdConfig, MemopdConfigError, TeacherConfig

@@ -1,5 +1,5 @@
 """The tiny models' vocabulary is one number: the tokenizer, both models, ``tiny.json`` and the in-memory
-models all have :data:`verl_memopd.tiny.VOCAB_SIZE` tokens (seed 0, the seed every test and run uses)."""
+models all have :data:`verl_memopd.bench.tiny.VOCAB_SIZE` tokens (seed 0, the seed every test and run uses)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 from transformers import AutoConfig, AutoTokenizer
 
-from verl_memopd.tiny import VOCAB_SIZE, student_config, student_model, teacher_config
+from verl_memopd.bench.tiny import VOCAB_SIZE, student_config, student_model, teacher_config
 
 
 def test_tokenizer_models_and_record_agree_on_the_vocabulary(tiny_models):

@@ -14,7 +14,7 @@ from verl_memopd.audit import CallRecord, encode_records, record_calls, records_
 from verl_memopd.packing import pack_episode
 from verl_memopd.rce import ROW_FAULTS, EpisodeShape, random_episodes, spot_check_rows
 from verl_memopd.segments import segment_meta
-from verl_memopd.tiny import student_model
+from verl_memopd.bench.tiny import student_model
 from verl_memopd.trainer.audit import (
     RCE_FIELD,
     RCE_TOLERANCE_FIELD,

@@ -21,7 +21,7 @@ from verl_memopd.rce import EpisodeShape, random_episodes
 from verl_memopd.segments import segment_meta
 from verl_memopd.supervision import TEACHER_HIDDEN
 from verl_memopd.trainer.audit import TEACHER_OUTPUT_KEY
-from verl_memopd.tiny import student_config
+from verl_memopd.bench.tiny import student_config
 from verl_memopd.trainer.engine import MemopdLMEngine, MemopdTeacherEngine, MemopdValueEngine, final_norm
 from verl_memopd.trainer.groups import PROMPT_GROUP, share_prefix
 from verl_memopd.trainer.rows import SEGMENT_IDS, prompt_groups

@@ -214,7 +214,7 @@ def call_varlen_attn(varlen_attn: Callable, q: torch.Tensor, k: torch.Tensor, v:
 
     Both causal spellings reach ``aten._flash_attention_forward(..., is_causal=True)``, whose causal mask is
     bottom-right aligned when Lk > Lq (flash-attn >= 2.1 semantics) -- the alignment our segments need;
-    ``python -m verl_memopd.gpucheck`` checks it against the ``torch`` reference on a GPU.
+    ``python -m verl_memopd.bench.gpucheck`` checks it against the ``torch`` reference on a GPU.
     """
     params = inspect.signature(varlen_attn).parameters
     kwargs: dict[str, object] = {}

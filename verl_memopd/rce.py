@@ -555,7 +555,7 @@ def _load_model(path: Optional[str], seed: int, dtype: torch.dtype, device: str,
     if path is not None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     else:
-        from verl_memopd.tiny import student_model
+        from verl_memopd.bench.tiny import student_model
 
         model = sharpen_attention(student_model(seed=seed), qk_scale).to(dtype)
     return model.to(device).eval()
@@ -565,7 +565,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m verl_memopd.rce", description=__doc__.split("\n")[0])
     p.add_argument("--episodes", type=int, default=None, help="random episodes to audit (default 200; self-test 12)")
     p.add_argument("--seed", type=int, default=0, help="seed of episodes and random model weights (default 0)")
-    p.add_argument("--model", default=None, help="HF model folder (default: random tiny student, verl_memopd.tiny)")
+    p.add_argument("--model", default=None, help="HF model folder (default: random tiny student, verl_memopd.bench.tiny)")
     p.add_argument("--backend", default="torch", choices=sorted(BACKENDS),
                    help="packed attention backend (default torch)")
     p.add_argument("--dtype", default="float32", choices=[str(d).replace("torch.", "") for d in TOLERANCES])

@@ -1,7 +1,7 @@
 """Run ``python -m verl.trainer.main_ppo`` on CPU from tests, bounded, and parse its metrics.
 
 The environment, the time bound and the step-line parser are the package's
-(``verl_memopd.launching``, shared with the GPU check and the experiment); this module adds the
+(``verl_memopd.experiment.launching``, shared with the GPU check and the experiment); this module adds the
 test-side record of a run: exit status, wall time, the full log for assertion messages and the
 parsed per-step metrics.
 """
@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from verl_memopd.launching import cpu_env, parse_steps, run_bounded
+from verl_memopd.experiment.launching import cpu_env, parse_steps, run_bounded
 
 __all__ = ["VerlRun", "non_finite", "run_command", "run_main_ppo"]
 
@@ -41,7 +41,7 @@ def run_main_ppo(overrides: list[str], workdir: Path, timeout_s: float, env: dic
 
 def run_command(cmd: list[str], workdir: Path, timeout_s: float, env: dict | None = None) -> VerlRun:
     """Run a command that starts verl (``main_ppo`` or a recipe script) in ``workdir``, bounded
-    (``verl_memopd.launching.run_bounded``: on timeout the driver and its local Ray cluster are killed);
+    (``verl_memopd.experiment.launching.run_bounded``: on timeout the driver and its local Ray cluster are killed);
     the log is ``workdir/main_ppo.log``."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = env or cpu_env(workdir)

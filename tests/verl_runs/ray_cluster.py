@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from verl_memopd.launching import cpu_env
+from verl_memopd.experiment.launching import cpu_env
 
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 #: per node: logical CPUs (TransferQueue, TaskRunner, agent and reward workers, vLLM servers each reserve some)

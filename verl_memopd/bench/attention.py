@@ -71,7 +71,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("attention: needs CUDA", file=sys.stderr)
         return 3
-    from verl_memopd.gpucheck import QWEN_3B, _packed_meta
+    from verl_memopd.bench.gpucheck import QWEN_3B, _packed_meta
 
     meta = _packed_meta(args.episodes, args.seed, "cuda", QWEN_3B.vocab)
     g = torch.Generator(device="cuda").manual_seed(args.seed)

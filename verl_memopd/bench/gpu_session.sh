@@ -15,7 +15,7 @@
 #               with its fp32 (TF32) reference vs the check before it and vs the step's own passes
 #   fsdp_reference  tests/test_fp32_reference.py on CUDA: the check's fp32 reference under FSDP1 / FSDP2 bf16
 #               mixed precision, one rank per GPU (NCCL)
-#   gpucheck    python -m verl_memopd.gpucheck (every check this image can run; SKIP lines for the rest)
+#   gpucheck    python -m verl_memopd.bench.gpucheck (every check this image can run; SKIP lines for the rest)
 #   attention   bench attention: torch_varlen's K/V head repeat vs native GQA (vs flash-attn when installed)
 #   packing     bench packing --device cuda, 8 layers of Qwen2.5-3B, with profiler tables: the bench shape
 #               (32 episodes) and the GRPO group shape (64 episodes, groups of 8 sharing q, q = 2 blocks, 2 calls)
@@ -56,7 +56,7 @@ step kl 120 python -m verl_memopd.bench kl --device cuda --token-chunks 256,384,
 step audit 90 python -m verl_memopd.bench audit --device cuda --model-shape qwen2.5-3b --layers 8 \
   --shape memory-agent --episodes 4 --repeats 3
 step fsdp_reference 60 python -m pytest tests/test_fp32_reference.py -q -p no:cacheprovider -k cuda
-step gpucheck 150 python -m verl_memopd.gpucheck --workdir /tmp/memopd_gpucheck
+step gpucheck 150 python -m verl_memopd.bench.gpucheck --workdir /tmp/memopd_gpucheck
 step attention 45 python -m verl_memopd.bench attention
 # 32 episodes (~24k packed tokens, a real micro-batch's budget: the recipe's ppo_max_token_len_per_gpu) keep
 # the step GPU-bound; at 8 the eager model's kernel launches dominate the packed step.

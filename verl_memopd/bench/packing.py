@@ -79,7 +79,7 @@ def model_config(shape: str, layers: Optional[int]):
     """The benchmark model's config: ``tiny`` (``tiny.teacher_config``) or a ``MODEL_SHAPES`` entry, ``layers`` deep."""
     from transformers import Qwen2Config
 
-    from verl_memopd.tiny import teacher_config
+    from verl_memopd.bench.tiny import teacher_config
 
     if shape == "tiny":
         config = teacher_config()

@@ -22,7 +22,7 @@ from verl_memopd.experiment.config import ARMS, KD_ARM, ExperimentConfig, Paths,
 from verl_memopd.experiment.evaluate import eval_model, start_models
 from verl_memopd.experiment.launch import main_ppo
 from verl_memopd.experiment.runner import attempts, heavy, heavy_wall_s, last_attempt, run_logged
-from verl_memopd.launching import cpu_env
+from verl_memopd.experiment.launching import cpu_env
 from verl_memopd.experiment.sft import fp32_export
 
 __all__ = ["arm_command", "run_arm", "prune_checkpoints", "stage_arms", "stage_sweep", "check_arm_overrides"]

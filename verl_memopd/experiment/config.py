@@ -133,8 +133,8 @@ class ExperimentConfig:
     final_evals: bool = True
     #: per-command bound (seconds) for one eval or one arm; a hung verl run cannot stall the pipeline
     timeout_s: int = 5400
-    #: where student and teacher start: "tiny" (random-init models built locally, ``verl_memopd.tiny``) or a
-    #: pretrained model provisioned offline (``verl_memopd.models``, e.g. "smollm2"; both roles start from it)
+    #: where student and teacher start: "tiny" (random-init models built locally, ``verl_memopd.bench.tiny``) or a
+    #: pretrained model provisioned offline (``verl_memopd.experiment.models``, e.g. "smollm2"; both roles start from it)
     base_model: str = "tiny"
     #: Hydra overrides every RL run of this experiment shares (arms, sweep), before each arm's own
     arm_overrides: tuple[str, ...] = ()
@@ -201,7 +201,7 @@ def smoke_config() -> ExperimentConfig:
 
 def smollm2_config() -> ExperimentConfig:
     """The evidence run on a pretrained model: student and teacher both start from SmolLM2-135M-Instruct
-    (``python -m verl_memopd.models smollm2``), the student after a short SFT on the oracle's calls (val F1 in
+    (``python -m verl_memopd.experiment.models smollm2``), the student after a short SFT on the oracle's calls (val F1 in
     [0.2, 0.5]), the teacher after a longer one (aim >= 0.8); then 5 arms x 3 seeds of 10 RL steps.
 
     Sizes from a plain-PyTorch probe of the same task and model on 2 cores (student 20 SFT steps x 8 calls at lr

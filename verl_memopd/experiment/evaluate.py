@@ -27,7 +27,7 @@ from pathlib import Path
 from verl_memopd.experiment.config import ExperimentConfig, Paths
 from verl_memopd.experiment.launch import main_ppo, read_log, val_scores
 from verl_memopd.experiment.runner import heavy, heavy_wall_s, run_logged
-from verl_memopd.launching import cpu_env, parse_steps
+from verl_memopd.experiment.launching import cpu_env, parse_steps
 
 __all__ = ["eval_command", "eval_model", "eval_sft_checkpoint", "stage_eval", "chosen_student", "start_models",
            "diagnose_names", "stage_diagnose", "EvalResult"]

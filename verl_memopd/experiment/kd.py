@@ -76,7 +76,7 @@ def _teacher_traces(cfg: ExperimentConfig, paths: Paths, run_dir: Path, seed: in
 def run_kd_arm(cfg: ExperimentConfig, paths: Paths, seed: int, student: Path, teacher: Path) -> None:
     """Run (or resume) the KD arm at ``seed``; writes ``DONE.json`` with the final model and its test F1."""
     from verl_memopd.experiment.sft import hf_export, run_sft
-    from verl_memopd.launching import cpu_env
+    from verl_memopd.experiment.launching import cpu_env
 
     run_dir = paths.arm(KD_ARM, seed)
     if (run_dir / "DONE.json").is_file():

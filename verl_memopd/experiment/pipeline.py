@@ -1,7 +1,7 @@
 """The experiment's stages, in order; each is skipped when its output exists.
 
     models        tokenizer + tiny student (2L/128) and teacher (4L/256), random init    models/tiny.json
-                  (or a pretrained base for both roles, ``verl_memopd.models``)          models/base.json
+                  (or a pretrained base for both roles, ``verl_memopd.experiment.models``)          models/base.json
     data          fresh episodes (train/val/test) + the oracle's calls as SFT chat rows   sft_data/train.parquet
     sft_student   short SFT of the student (verl SFT trainer)                            sft/student/DONE.json
     sft_teacher   long SFT of the teacher (verl SFT trainer)                             sft/teacher/DONE.json
@@ -34,7 +34,7 @@ from contextlib import contextmanager
 
 from verl_memopd.experiment.config import ExperimentConfig, Paths
 from verl_memopd.experiment.runner import run_checked
-from verl_memopd.launching import cpu_env
+from verl_memopd.experiment.launching import cpu_env
 
 __all__ = ["STAGES", "EXPERIMENT_END", "run_pipeline"]
 
@@ -52,13 +52,13 @@ def stage_models(cfg: ExperimentConfig, paths: Paths) -> None:
         if (paths.models / "tiny.json").is_file():
             return _say(f"models: done ({paths.models})")
         _say("models: tokenizer + student + teacher (ETA ~10 s)")
-        return run_checked([sys.executable, "-m", "verl_memopd.tiny", "--out", str(paths.models), "--seed", "0"])
+        return run_checked([sys.executable, "-m", "verl_memopd.bench.tiny", "--out", str(paths.models), "--seed", "0"])
     marker = paths.models / "base.json"
     if marker.is_file():
         return _say(f"models: done ({paths.models}, {cfg.base_model})")
     base = paths.models / cfg.base_model
     _say(f"models: {cfg.base_model} GGUF -> Hugging Face folder {base} (ETA ~30 s); student and teacher start from it")
-    run_checked([sys.executable, "-m", "verl_memopd.models", cfg.base_model, "--out", str(base)])
+    run_checked([sys.executable, "-m", "verl_memopd.experiment.models", cfg.base_model, "--out", str(base)])
     for role in ("student", "teacher"):
         link = paths.models / role
         if not link.exists():

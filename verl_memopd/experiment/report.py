@@ -33,7 +33,7 @@ from pathlib import Path
 
 from verl_memopd.experiment.config import ARMS, KD_ARM, ExperimentConfig, Paths
 from verl_memopd.experiment.launch import read_log, val_scores
-from verl_memopd.launching import parse_steps
+from verl_memopd.experiment.launching import parse_steps
 
 __all__ = ["COLUMNS", "DIAGNOSTIC_COLUMNS", "CALL_COLUMNS", "collect_rows", "collect_sweep_rows", "write_metrics",
            "read_metrics", "read_experiment", "summary_lines", "markdown_lines", "sensitivity_lines",

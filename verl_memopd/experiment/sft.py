@@ -21,7 +21,7 @@ from pathlib import Path
 
 from verl_memopd.experiment.config import SftConfig
 from verl_memopd.experiment.runner import run_logged
-from verl_memopd.launching import parse_steps
+from verl_memopd.experiment.launching import parse_steps
 
 __all__ = ["build_sft_data", "sft_command", "run_sft", "fp32_export", "hf_export", "saved_steps", "sft_losses",
            "finished_sft", "continuable_sft"]

@@ -34,7 +34,7 @@ def _check_model_path(cfg: DictConfig, key: str) -> list[str]:
         return []
     if not (Path(str(path)).expanduser() / "config.json").is_file():
         return [f"{key}={path}: no model there (no config.json); this machine has no model hub -- build one with "
-                f"`python -m verl_memopd.tiny --out DIR` and pass DIR/student (or DIR/teacher)"]
+                f"`python -m verl_memopd.bench.tiny --out DIR` and pass DIR/student (or DIR/teacher)"]
     return []
 
 

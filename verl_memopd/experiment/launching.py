@@ -7,7 +7,7 @@ their own, and numbers may be printed as numpy reprs::
     (TaskRunner pid=1) step:1 - actor/memopd/reverse_kl:0.5 - training/global_step:np.int64(1)
     step:1 - val-core/memopd_memory/tiny/reward/mean@1:0.25
 
-One copy for every caller: the GPU check (``verl_memopd.gpucheck``), the CPU experiment
+One copy for every caller: the GPU check (``verl_memopd.bench.gpucheck``), the CPU experiment
 (``verl_memopd.experiment``) and the tests' launcher (``tests/verl_runs/launcher.py``).
 """
 

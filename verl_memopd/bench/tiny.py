@@ -3,7 +3,7 @@
 No hub is reachable on our CI machines, so tests and the CPU smoke run use models this module
 builds from a seed, in seconds::
 
-    python -m verl_memopd.tiny --out DIR [--seed 0]
+    python -m verl_memopd.bench.tiny --out DIR [--seed 0]
 
 writes ``DIR/student`` and ``DIR/teacher``: Qwen2-style causal LMs (random init) that share one
 byte-level BPE tokenizer trained on the memory benchmark's text (:data:`VOCAB_SIZE`, 1374 tokens on
@@ -155,7 +155,7 @@ def build(out_dir: str | Path, seed: int = 0) -> TinyPaths:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m verl_memopd.tiny")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m verl_memopd.bench.tiny")
     parser.add_argument("--out", required=True, help="output folder (student/ and teacher/ are written in it)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
