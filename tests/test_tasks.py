@@ -7,7 +7,7 @@ import pytest
 
 from verl_memopd.tasks import __main__ as cli
 from verl_memopd.tasks.dataset import AGENT_NAME, parse_row, read_rows, to_row, write_rows
-from verl_memopd.tasks.generator import PRESETS, TaskConfig, corpus, generate, get_preset
+from verl_memopd.tasks.generator import HORIZONS, PRESETS, TaskConfig, corpus, generate, get_preset
 from verl_memopd.tasks.oracle import run_oracle
 from verl_memopd.tasks.prompts import MemoryPrompts, format_answers, parse_answers
 from verl_memopd.tasks.reward import (answer_recall, compute_score, exact_match, normalize_answer, score_answers,
@@ -89,6 +89,31 @@ def test_knob_distractor_rate():
     assert extra > sum(n_support(t) for t in two)  # about 2 per supporting fact (tiny worlds cap a few)
 
 
+def _support_chunk(task) -> int:
+    """Index of the last chunk holding a supporting fact."""
+    support = [f.sentence for q in task.questions for f in q.support]
+    return max(c for c, chunk in enumerate(task.chunks) for s in support if s in chunk)
+
+
+def test_knob_support_chunks_keeps_the_answer_facts_early():
+    cfg = replace(TINY, n_chunks=8, support_chunks=2, distractor_rate=2.0)
+    tasks = [generate(cfg, 0, "train", i) for i in range(40)]
+    assert all(_support_chunk(t) <= 1 for t in tasks)
+    distractor_chunks = {c for t in tasks for c, chunk in enumerate(t.chunks) if c >= 2 and any(parse_fact(x) is not None for x in _sentences(chunk))}
+    assert len(distractor_chunks) > 3  # distractors still spread over the later chunks
+    assert max(_support_chunk(generate(replace(cfg, support_chunks=None), 0, "train", i)) for i in range(40)) > 1
+
+
+def test_horizon_presets_differ_only_in_the_number_of_calls():
+    configs = [get_preset(f"h{t}").config for t in HORIZONS]
+    assert [c.n_chunks for c in configs] == list(HORIZONS)
+    same = {(c.n_questions, c.chunk_words, c.vocabulary, c.hops, c.support_chunks) for c in configs}
+    assert len(same) == 1
+    assert [c.distractor_rate * 6 for c in configs] == list(HORIZONS)  # look-alikes per chunk about constant
+    assert all(get_preset(f"h{t}").sizes["test"] >= 128 for t in HORIZONS)
+    assert all(_support_chunk(generate(configs[-1], 0, "test", i)) <= 1 for i in range(20))
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_episode_contracts(preset):
     cfg = get_preset(preset).config
@@ -121,6 +146,8 @@ def test_config_validation_and_registries_list_valid_names():
         TaskConfig(n_chunks=1, n_questions=1, distractor_rate=-1)
     with pytest.raises(KeyError, match="tiny"):
         TaskConfig(n_chunks=1, n_questions=1, vocabulary="huge")
+    with pytest.raises(ValueError, match="support_chunks"):
+        TaskConfig(n_chunks=3, n_questions=1, support_chunks=4)
     with pytest.raises(KeyError, match="small"):
         get_preset("medium")
 

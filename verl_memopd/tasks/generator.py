@@ -31,7 +31,8 @@ from typing import Iterator, Sequence
 from verl_memopd.tasks.prompts import MemoryPrompts, format_answers
 from verl_memopd.tasks.world import QUESTION_KINDS, RELATIONS, Fact, World, get_vocabulary
 
-__all__ = ["TaskConfig", "Question", "MemoryTask", "Preset", "PRESETS", "get_preset", "generate", "corpus"]
+__all__ = ["TaskConfig", "Question", "MemoryTask", "Preset", "HORIZONS", "HORIZON_PRESETS", "PRESETS", "get_preset",
+           "generate", "corpus"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class TaskConfig:
         distractor_rate: expected distractor facts per supporting fact (>= 0).
         chunk_words: minimum words per chunk, reached with filler (>= 1).
         vocabulary: name pools and filler, ``tiny`` (small word set for tiny CPU models) or ``full``.
+        support_chunks: supporting facts land in the first ``support_chunks`` chunks only (None: any chunk);
+            distractors still land anywhere, so a small value makes the answer's facts survive
+            ``n_chunks - support_chunks`` memory rewrites among look-alikes (the horizon presets).
     """
 
     n_chunks: int
@@ -53,6 +57,7 @@ class TaskConfig:
     distractor_rate: float = 1.0
     chunk_words: int = 60
     vocabulary: str = "full"
+    support_chunks: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hops", tuple(int(h) for h in self.hops))
@@ -65,6 +70,9 @@ class TaskConfig:
             raise ValueError(f"TaskConfig.distractor_rate must be >= 0, got {self.distractor_rate}")
         if self.chunk_words < 1:
             raise ValueError(f"TaskConfig.chunk_words must be >= 1, got {self.chunk_words}")
+        if self.support_chunks is not None and not 1 <= self.support_chunks <= self.n_chunks:
+            raise ValueError(f"TaskConfig.support_chunks must be in [1, n_chunks={self.n_chunks}] or None, "
+                             f"got {self.support_chunks}")
         get_vocabulary(self.vocabulary)
 
 
@@ -110,6 +118,18 @@ class Preset:
     sizes: dict[str, int]
 
 
+#: the horizon family ``h<T>``: T memory calls over ``tiny``-sized chunks, 2 questions; the supporting facts sit in
+#: the first 2 chunks, so they must survive T - 2 memory rewrites, and the distractor rate grows with T (T / 6 per
+#: supporting fact) so the look-alikes per chunk stay about constant. ``h3`` is the short end of the family (not
+#: ``tiny``: there the facts may sit in any chunk).
+HORIZONS = (3, 6, 12)
+HORIZON_PRESETS = tuple(
+    Preset(f"h{t}", TaskConfig(n_chunks=t, n_questions=2, distractor_rate=t / 6, chunk_words=24, vocabulary="tiny",
+                               support_chunks=2),
+           {"train": 2048, "val": 64, "test": 128})
+    for t in HORIZONS
+)
+
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("tiny", TaskConfig(n_chunks=3, n_questions=2, distractor_rate=0.5, chunk_words=24, vocabulary="tiny"),
            {"train": 512, "val": 64, "test": 64}),
@@ -119,6 +139,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            {"train": 4096, "val": 128, "test": 128}),
     Preset("7b", TaskConfig(n_chunks=16, n_questions=4, distractor_rate=2.0, chunk_words=800),
            {"train": 2048, "val": 128, "test": 128}),
+    *HORIZON_PRESETS,
 )}
 
 
@@ -170,6 +191,7 @@ def _layout(world: World, questions: Sequence[Question], distractors: Sequence[F
     for q in questions:
         for prev, nxt in zip(q.support, q.support[1:]):
             after.setdefault(nxt, set()).add(prev)
+    support = {f for q in questions for f in q.support}
     facts = list(dict.fromkeys([f for q in questions for f in q.support] + list(distractors)))
     chunk_of: dict[Fact, int] = {}
     placed: list[list[Fact]] = [[] for _ in range(cfg.n_chunks)]
@@ -180,7 +202,8 @@ def _layout(world: World, questions: Sequence[Question], distractors: Sequence[F
         for p in sorted(after.get(f, ()), key=lambda x: x.sentence):
             place(p)
         lo = max((chunk_of[p] for p in after.get(f, ())), default=0)
-        c = world.rng.randint(lo, cfg.n_chunks - 1)
+        hi = cfg.n_chunks - 1 if f not in support or cfg.support_chunks is None else cfg.support_chunks - 1
+        c = world.rng.randint(lo, hi)
         first = max((placed[c].index(p) + 1 for p in after.get(f, ()) if chunk_of[p] == c), default=0)
         placed[c].insert(world.rng.randint(first, len(placed[c])), f)
         chunk_of[f] = c
