@@ -419,3 +419,46 @@ def test_prune_keeps_only_the_hugging_face_exports(tmp_path, keep, files, kept):
         (tmp_path / f).write_text("x")
     prune_checkpoints(tmp_path, keep)
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()) == kept
+
+
+def test_horizon_experiment_scopes_each_preset_and_shares_models_and_sft(tmp_path):
+    from verl_memopd.experiment.config import smollm2_horizon_config
+
+    cfg = smollm2_horizon_config()
+    assert cfg.presets == ("h3", "h6", "h12")
+    with pytest.raises(ValueError, match="presets"):
+        replace(cfg, presets=("h3", "h3"))
+    paths = Paths(tmp_path / "runs", tmp_path / "results")
+    h12 = paths.at("h12")
+    assert h12.data == paths.data / "h12" and h12.evals() == paths.evals() / "h12"
+    assert h12.arm("opd", 1) == paths.root / "arms" / "h12" / "opd_seed1" and h12.results == paths.results / "h12"
+    assert h12.models == paths.models and h12.sft("teacher") == paths.sft("teacher")
+
+
+def test_pipeline_runs_per_preset_stages_in_the_asked_order_and_shared_ones_once(tmp_path, monkeypatch):
+    from verl_memopd.experiment import pipeline
+    from verl_memopd.experiment.config import smollm2_horizon_config
+
+    cfg, paths = smollm2_horizon_config(), Paths(tmp_path / "runs", tmp_path / "results")
+    assert [p.scope for p in pipeline._scopes(cfg, paths, "eval", ("h12", "h3"))] == ["h12", "h3"]
+    assert [p.scope for p in pipeline._scopes(cfg, paths, "sft_teacher", ("h12",))] == [None]
+    for bad in (("h9",), ("h3", "h3")):
+        with pytest.raises(ValueError, match="presets"):
+            pipeline.run_pipeline(cfg, paths, "eval", None, bad)
+
+
+def test_mixed_traces_keep_every_row_and_name_episodes_by_preset(tmp_path):
+    import pandas as pd
+
+    from verl_memopd.experiment.sft import mix_traces
+
+    for name, n in (("h3", 2), ("h6", 3)):
+        (tmp_path / name).mkdir()
+        for split in ("train", "val"):
+            pd.DataFrame({"episode_id": list(range(n)), "messages": [f"{name}-{i}" for i in range(n)]}).to_parquet(
+                tmp_path / name / f"{split}.parquet")
+    mix_traces([tmp_path / "h3", tmp_path / "h6"], ["h3", "h6"], tmp_path / "mixed")
+    mixed = pd.read_parquet(tmp_path / "mixed" / "train.parquet")
+    assert list(mixed["episode_id"]) == ["h3/0", "h3/1", "h6/0", "h6/1", "h6/2"]
+    assert list(mixed["messages"]) == ["h3-0", "h3-1", "h6-0", "h6-1", "h6-2"]
+    assert len(pd.read_parquet(tmp_path / "mixed" / "val.parquet")) == 5

@@ -67,9 +67,10 @@ def test_handoff_ends_are_each_model_alone(setup):
 def test_heldout_reverse_kl_is_zero_against_itself_and_matches_a_direct_computation(setup):
     rows, (student, tokenizer), (teacher, _) = setup
     calls = [c for e in agent_calls(rows[:2], [student], tokenizer, sample=True, seed=3, **TOKENS) for c in e.calls]
-    assert reverse_kl_on_calls(student, student, calls) == pytest.approx(0.0, abs=1e-6)
-    kl = reverse_kl_on_calls(student, teacher, calls, batch=3)
+    assert reverse_kl_on_calls(student, student, calls)[0] == pytest.approx(0.0, abs=1e-6)
+    kl, by_call = reverse_kl_on_calls(student, teacher, calls, batch=3)
     total, count = 0.0, 0
+    per_call: dict[int, list[float]] = {}
     with torch.no_grad():
         for c in calls:  # one call at a time, no padding
             ids = torch.tensor([c.prompt_ids + c.response_ids])
@@ -77,9 +78,16 @@ def test_heldout_reverse_kl_is_zero_against_itself_and_matches_a_direct_computat
             t = torch.log_softmax(teacher(ids).logits[0], -1)
             lo = len(c.prompt_ids) - 1
             rng = slice(lo, lo + len(c.response_ids))
-            total += float((s[rng].exp() * (s[rng] - t[rng])).sum())
+            call_kl = float((s[rng].exp() * (s[rng] - t[rng])).sum())
+            total += call_kl
             count += len(c.response_ids)
+            per_call.setdefault(c.call, [0.0, 0])
+            per_call[c.call][0] += call_kl
+            per_call[c.call][1] += len(c.response_ids)
     assert kl > 0 and kl == pytest.approx(total / count, rel=1e-4)
+    assert sorted(by_call) == sorted(per_call) and len(by_call) > 1
+    for call, (call_total, call_count) in per_call.items():
+        assert by_call[call] == pytest.approx(call_total / call_count, rel=1e-4)
 
 
 def test_kd_rows_have_the_oracle_traces_shape(setup):

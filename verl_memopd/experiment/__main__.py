@@ -1,8 +1,10 @@
 """CLI of the experiment.
 
-    python -m verl_memopd.experiment run [--experiment cpu_tiny|cpu_smollm2] [--root runs/cpu_tiny] [--results results/cpu_tiny] [--until STAGE|--only STAGE] [--arms a,b] [--seeds 0,1]
+    python -m verl_memopd.experiment run [--experiment cpu_tiny|cpu_smollm2|cpu_smollm2_horizon] [--root runs/cpu_tiny]
+            [--results results/cpu_tiny] [--until STAGE|--only STAGE] [--arms a,b] [--seeds 0,1] [--presets h12,h3]
         runs the stages in order up to the report, skipping finished ones (EXPERIMENT_SMOKE=1: the minutes-long
-        smoke sizes); ``--until sweep`` adds the val-only sensitivity sweep after it;
+        smoke sizes); ``--until sweep`` adds the val-only sensitivity sweep after it; cpu_smollm2_horizon runs
+        the per-preset stages once per horizon (h3, h6, h12; ``--presets`` picks and orders them);
         a stage runs under a lock file, so a second process started with --only waits instead of clashing
     python -m verl_memopd.experiment eval --role teacher|student --step N [--split val|test]
         val F1 of one SFT checkpoint with verl's validation (also done by the eval stage)
@@ -32,7 +34,7 @@ def _config(name: str):
 
 def _paths(args: argparse.Namespace, name: str) -> Paths:
     return Paths(root=Path(args.root or f"runs/{name}").resolve(),
-                 results=Path(args.results or f"results/{name}").resolve())
+                 results_root=Path(args.results or f"results/{name}").resolve())
 
 
 def _seeds(text: str) -> tuple[int, ...]:
@@ -54,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--seeds", default=None, type=_seeds,
                    help="comma-separated subset of the seeds (default: all of them); the report keeps the committed "
                    "rows of the arms and seeds this run folder does not have")
+    r.add_argument("--presets", default=None,
+                   help="comma-separated presets the per-preset stages run on, in this order (an experiment with "
+                   "several task presets, e.g. cpu_smollm2_horizon: --presets h12,h3); default all of them")
     e = sub.add_parser("eval", help="F1 of one SFT checkpoint under the real agent loop")
     e.add_argument("--role", required=True, choices=("teacher", "student"))
     e.add_argument("--step", required=True, type=int)
@@ -78,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = replace(cfg, arms=replace(cfg.arms, arms=tuple(args.arms.split(","))))
         if args.seeds:
             cfg = replace(cfg, arms=replace(cfg.arms, seeds=args.seeds))
-        run_pipeline(cfg, _paths(args, cfg.name), args.until, args.only)
+        presets = tuple(args.presets.split(",")) if args.presets else None
+        run_pipeline(cfg, _paths(args, cfg.name), args.until, args.only, presets)
     elif args.command == "eval":
         from verl_memopd.experiment.evaluate import eval_sft_checkpoint
 

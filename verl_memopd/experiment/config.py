@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from verl_memopd.tasks.generator import HORIZONS
+
 __all__ = ["SftConfig", "ArmsConfig", "Variant", "SweepConfig", "ExperimentConfig", "ARMS", "KD_ARM",
-           "EXPERIMENTS", "full_config", "smoke_config", "smollm2_config", "Paths"]
+           "EXPERIMENTS", "full_config", "smoke_config", "smollm2_config", "smollm2_horizon_config", "Paths"]
 
 #: arm name -> Hydra overrides on top of the shared arm command (everything else matched); every arm but
 #: :data:`KD_ARM` is one ``main_ppo`` run
@@ -146,8 +148,19 @@ class ExperimentConfig:
     #: teacher takes over from the student at call t (eval stage), and each arm's reverse KL to the teacher on one
     #: fixed set of the start student's rollouts at every saved step
     heldout: bool = False
+    #: the task presets (``python -m verl_memopd.tasks build --preset``) the experiment runs on. One preset: the
+    #: stages read and write the unscoped paths. Several (the horizon study): each gets its own episodes, evals,
+    #: arms and results (``Paths.at``), ``n_train/n_val/n_test`` episodes each, while the models and the two SFT
+    #: runs are shared -- both SFTs train on the oracle's calls of every preset, mixed
+    presets: tuple[str, ...] = ("tiny",)
 
     def __post_init__(self) -> None:
+        from verl_memopd.tasks.generator import get_preset
+
+        if not self.presets or len(set(self.presets)) != len(self.presets):
+            raise ValueError(f"ExperimentConfig.presets must be distinct and non-empty, got {self.presets}")
+        for preset in self.presets:
+            get_preset(preset)  # KeyError naming the valid presets
         saved = range(self.student_sft.save_every, self.student_sft.steps + 1, self.student_sft.save_every)
         missing = [s for s in self.student_eval_steps if s not in saved]
         if (self.student_f1_band is not None and not self.student_eval_steps) or missing:
@@ -226,16 +239,52 @@ def smollm2_config() -> ExperimentConfig:
     )
 
 
+def smollm2_horizon_config() -> ExperimentConfig:
+    """On-policy vs off-policy distillation as the number of memory calls grows: SmolLM2 at T = 3, 6, 12 calls (the
+    ``h<T>`` presets: the answer's facts sit in the first 2 chunks, so they must survive T - 2 rewrites).
+
+    Shared across T: one student SFT and one teacher SFT on the oracle's calls of all three horizons, mixed (the
+    teacher must be competent at the longest T, so its SFT is twice :func:`smollm2_config`'s); the student starts
+    from its final SFT step at every T (one start; its F1 per T is measured, not chosen). Per T: 2048 / 32 / 128
+    episodes; the pre-study (eval stage: teacher and start F1, the hand-off curve, the start's held-out KL) runs
+    before any arm. Precision: fp32 (the bf16 CPU profile is not yet audited in a full arm).
+    """
+    base = smollm2_config()
+    return replace(
+        base, name="cpu_smollm2_horizon", presets=tuple(f"h{t}" for t in HORIZONS), n_test=128,
+        teacher_sft=SftConfig(steps=300, batch=8, lr=5e-5, save_every=50, warmup_steps=4, min_lr_ratio=0.1),
+        student_eval_steps=(), student_f1_band=None,
+        arms=replace(base.arms, arms=("memopd", "opd", "kd", "flat")),
+    )
+
+
 #: experiment name -> its config (``python -m verl_memopd.experiment run --experiment NAME``)
-EXPERIMENTS = {"cpu_tiny": full_config, "cpu_smollm2": smollm2_config}
+EXPERIMENTS = {"cpu_tiny": full_config, "cpu_smollm2": smollm2_config, "cpu_smollm2_horizon": smollm2_horizon_config}
 
 
 @dataclass(frozen=True)
 class Paths:
-    """Where each stage writes, under ``root`` (big, gitignored) and ``results`` (small, committed)."""
+    """Where each stage writes, under ``root`` (big, gitignored) and ``results`` (small, committed).
+
+    ``scope`` (a task preset, see :meth:`at`) puts everything that belongs to one preset -- its episodes, its
+    oracle traces, evals, arms, diagnostics and results -- in a subfolder named after it; the models and the SFT
+    runs stay shared. ``sft_data`` unscoped is the SFT runs' data (every preset's traces, mixed).
+    """
 
     root: Path
-    results: Path
+    results_root: Path
+    scope: str | None = None
+
+    def at(self, preset: str) -> "Paths":
+        """These paths scoped to ``preset``."""
+        return replace(self, scope=preset)
+
+    def _scoped(self, path: Path) -> Path:
+        return path if self.scope is None else path / self.scope
+
+    @property
+    def results(self) -> Path:
+        return self._scoped(self.results_root)
 
     @property
     def models(self) -> Path:
@@ -243,23 +292,23 @@ class Paths:
 
     @property
     def data(self) -> Path:
-        return self.root / "data"
+        return self._scoped(self.root / "data")
 
     @property
     def sft_data(self) -> Path:
-        return self.root / "sft_data"
+        return self._scoped(self.root / "sft_data")
 
     def sft(self, role: str) -> Path:
         return self.root / "sft" / role
 
     def evals(self) -> Path:
-        return self.root / "eval"
+        return self._scoped(self.root / "eval")
 
     def arm(self, arm: str, seed: int) -> Path:
-        return self.root / "arms" / f"{arm}_seed{seed}"
+        return self._scoped(self.root / "arms") / f"{arm}_seed{seed}"
 
     def sweep_run(self, variant: str, arm: str, seed: int) -> Path:
-        return self.root / "sweep" / f"{variant}_{arm}_seed{seed}"
+        return self._scoped(self.root / "sweep") / f"{variant}_{arm}_seed{seed}"
 
     @property
     def sensitivity_csv(self) -> Path:
@@ -267,7 +316,7 @@ class Paths:
 
     @property
     def diagnose(self) -> Path:
-        return self.root / "diagnose"
+        return self._scoped(self.root / "diagnose")
 
     @property
     def diagnostics_csv(self) -> Path:

@@ -7,7 +7,7 @@
 - **Held-out reverse KL** (``eval/heldout_rollouts.json``, then ``arms/<arm>_seed<s>/heldout_kl.json``): one fixed
   set of the start student's sampled rollouts of the val episodes (temperature 1, a fixed seed), and for a model
   the mean per-token KL(model || teacher) on their sampled tokens, each call run alone in the state it was
-  sampled in. The same tokens for every arm and step, so the values compare across arms (unlike the training
+  sampled in, overall and by call index (the drift along the episode). The same tokens for every arm and step, so the values compare across arms (unlike the training
   KL, which each arm measures on its own rollouts).
 """
 
@@ -81,8 +81,9 @@ def heldout_kl(cfg: ExperimentConfig, paths: Paths, model_dir: Path, teacher: Pa
     started = time.monotonic()
     calls = heldout_rollouts(cfg, paths, start_models(cfg, paths)[0])
     (model, _), (t_model, _) = load_model(model_dir), load_model(teacher)
-    kl = reverse_kl_on_calls(model, t_model, calls)
-    result = {**meta, "heldout_reverse_kl": kl, "tokens": sum(len(c.response_ids) for c in calls),
+    kl, by_call = reverse_kl_on_calls(model, t_model, calls)
+    result = {**meta, "heldout_reverse_kl": kl, "heldout_reverse_kl_by_call": {str(k): v for k, v in by_call.items()},
+              "tokens": sum(len(c.response_ids) for c in calls),
               "model": str(model_dir), "wall_s": round(time.monotonic() - started, 1)}
     out_json.write_text(json.dumps(result, indent=1) + "\n")
     print(f"[experiment] held-out reverse KL {out_json.parent.name}/{out_json.name}: {kl:.4f}", flush=True)

@@ -153,12 +153,14 @@ def handoff_f1(rows: Sequence[dict], student, teacher, tokenizer, memory_tokens:
     return result
 
 
-def reverse_kl_on_calls(model, teacher, calls: Sequence[AgentCall], batch: int = 8) -> float:
-    """Mean per-token KL(model || teacher) over the response tokens of ``calls``, each call run alone at
-    positions 0..n-1 (the state it was sampled in), full vocabulary, fp32."""
+def reverse_kl_on_calls(model, teacher, calls: Sequence[AgentCall], batch: int = 8) -> tuple[float, dict[int, float]]:
+    """Per-token KL(model || teacher) over the response tokens of ``calls``, each call run alone at positions
+    0..n-1 (the state it was sampled in), full vocabulary, fp32: ``(mean over all tokens, {call index: mean over
+    that call's tokens})`` (the drift by call index)."""
     import torch
 
-    total, count = 0.0, 0
+    total: dict[int, float] = {}
+    count: dict[int, int] = {}
     for start in range(0, len(calls), batch):
         group = calls[start:start + batch]
         seqs = [c.prompt_ids + c.response_ids for c in group]
@@ -174,9 +176,10 @@ def reverse_kl_on_calls(model, teacher, calls: Sequence[AgentCall], batch: int =
         for i, c in enumerate(group):
             lo, hi = len(c.prompt_ids) - 1, len(c.prompt_ids) + len(c.response_ids) - 1  # positions predicting replies
             m, t = lp_m[i, lo:hi], lp_t[i, lo:hi]
-            total += float((m.exp() * (m - t)).sum())
-            count += hi - lo
-    return total / max(count, 1)
+            total[c.call] = total.get(c.call, 0.0) + float((m.exp() * (m - t)).sum())
+            count[c.call] = count.get(c.call, 0) + hi - lo
+    mean = sum(total.values()) / max(sum(count.values()), 1)
+    return mean, {k: total[k] / max(count[k], 1) for k in sorted(total)}
 
 
 def sft_rows(rows: Sequence[dict], episodes: Sequence[AgentEpisode]) -> list[dict]:

@@ -3,6 +3,7 @@
     models        tokenizer + tiny student (2L/128) and teacher (4L/256), random init    models/tiny.json
                   (or a pretrained base for both roles, ``verl_memopd.experiment.models``)          models/base.json
     data          fresh episodes (train/val/test) + the oracle's calls as SFT chat rows   sft_data/train.parquet
+                  (several presets: data/<preset>/, sft_data/<preset>/, mixed into sft_data/)
     sft_student   short SFT of the student (verl SFT trainer)                            sft/student/DONE.json
     sft_teacher   long SFT of the teacher (verl SFT trainer)                             sft/teacher/DONE.json
     eval          val F1 of SFT checkpoints (verl val_only, real agent loop), test F1     eval/*.json
@@ -18,6 +19,9 @@
                   sweep``; ~40 min): sensitivity on val only, the arms rerun at seed 0
                   with one setting changed (lr, lambda, teacher mask), no test eval;
                   ends with the report (sensitivity.csv)
+
+With several task presets (the horizon study), eval, arms, diagnose, report and sweep run once per
+preset, each in its own scope (``data/<preset>``, ``eval/<preset>``, ``arms/<preset>``, ``results/<name>/<preset>``).
 
 The student's SFT runs before the teacher's: it is short, and its checkpoints can be evaluated
 while the teacher trains. verl runs its checkpoints itself (``trainer.resume_mode=auto``), so a
@@ -36,9 +40,11 @@ from verl_memopd.experiment.config import ExperimentConfig, Paths
 from verl_memopd.experiment.runner import run_checked
 from verl_memopd.experiment.launching import cpu_env
 
-__all__ = ["STAGES", "EXPERIMENT_END", "run_pipeline"]
+__all__ = ["STAGES", "SHARED_STAGES", "EXPERIMENT_END", "run_pipeline"]
 
 STAGES = ("models", "data", "sft_student", "sft_teacher", "eval", "arms", "diagnose", "report", "sweep")
+#: the stages whose outputs every preset shares (the others run once per preset, ``Paths.at``)
+SHARED_STAGES = ("models", "data", "sft_student", "sft_teacher")
 #: the last stage of a default run: the experiment itself; the sweep after it is asked for by name
 EXPERIMENT_END = "report"
 
@@ -66,16 +72,31 @@ def stage_models(cfg: ExperimentConfig, paths: Paths) -> None:
     marker.write_text(json.dumps({"base_model": cfg.base_model, "folder": str(base)}) + "\n")
 
 
-def stage_data(cfg: ExperimentConfig, paths: Paths) -> None:
+def _build_preset(cfg: ExperimentConfig, paths: Paths, preset: str) -> None:
+    """``paths.data`` episodes of ``preset`` and their oracle traces in ``paths.sft_data``."""
     from verl_memopd.experiment.sft import build_sft_data
 
-    if (paths.sft_data / "train.parquet").is_file():
-        return _say(f"data: done ({paths.data}, {paths.sft_data})")
-    _say(f"data: {cfg.n_train}/{cfg.n_val}/{cfg.n_test} episodes + oracle traces (ETA ~{5 + cfg.n_train // 1000} s)")
-    run_checked([sys.executable, "-m", "verl_memopd.tasks", "build", "--out", str(paths.data), "--preset", "tiny",
+    run_checked([sys.executable, "-m", "verl_memopd.tasks", "build", "--out", str(paths.data), "--preset", preset,
                  "--seed", str(cfg.data_seed), "--n-train", str(cfg.n_train), "--n-val", str(cfg.n_val),
                  "--n-test", str(cfg.n_test)])
     build_sft_data(paths.data, paths.sft_data)
+
+
+def stage_data(cfg: ExperimentConfig, paths: Paths) -> None:
+    """Episodes + oracle traces; with several presets, each under its own scope, and the SFT data (unscoped)
+    is every preset's traces concatenated (``sft_data.mix_traces``)."""
+    if (paths.sft_data / "train.parquet").is_file():
+        return _say(f"data: done ({paths.data}, {paths.sft_data})")
+    _say(f"data: {cfg.n_train}/{cfg.n_val}/{cfg.n_test} episodes x {len(cfg.presets)} preset(s) {cfg.presets} + "
+         f"oracle traces (ETA ~{len(cfg.presets) * (5 + cfg.n_train // 1000)} s)")
+    if len(cfg.presets) == 1:
+        return _build_preset(cfg, paths, cfg.presets[0])
+    from verl_memopd.experiment.sft import mix_traces
+
+    for preset in cfg.presets:
+        if not (paths.at(preset).sft_data / "train.parquet").is_file():
+            _build_preset(cfg, paths.at(preset), preset)
+    mix_traces([paths.at(p).sft_data for p in cfg.presets], list(cfg.presets), paths.sft_data)
 
 
 def _stage_sft(role: str, cfg: ExperimentConfig, paths: Paths) -> None:
@@ -120,11 +141,18 @@ def _stage_lock(paths: Paths, name: str):
         yield
 
 
-def run_pipeline(cfg: ExperimentConfig, paths: Paths, until: str = EXPERIMENT_END, only: str | None = None) -> None:
-    """Run every stage up to and including ``until`` (or just ``only``), skipping finished ones."""
+def run_pipeline(cfg: ExperimentConfig, paths: Paths, until: str = EXPERIMENT_END, only: str | None = None,
+                 presets: tuple[str, ...] | None = None) -> None:
+    """Run every stage up to and including ``until`` (or just ``only``), skipping finished ones.
+
+    ``presets``: the presets the per-preset stages run on, in this order (default: all of ``cfg.presets``); the
+    shared stages always cover every preset (the mixed SFT data does not depend on which ones run now)."""
     for stage in (until, only):
         if stage is not None and stage not in STAGES:
             raise ValueError(f"stage {stage!r}; valid: {STAGES}")
+    unknown = [p for p in presets or () if p not in cfg.presets]
+    if unknown or (presets is not None and len(set(presets)) != len(presets)):
+        raise ValueError(f"presets {presets!r}: each must be one of the experiment's presets {cfg.presets}, once")
     steps = {
         "models": stage_models, "data": stage_data,
         "sft_student": lambda c, p: _stage_sft("student", c, p),
@@ -137,5 +165,14 @@ def run_pipeline(cfg: ExperimentConfig, paths: Paths, until: str = EXPERIMENT_EN
     for name in [only] if only else STAGES[: STAGES.index(until) + 1]:
         start = time.monotonic()
         with _stage_lock(paths, name):
-            steps[name](cfg, paths)
+            for scoped in _scopes(cfg, paths, name, presets or cfg.presets):
+                steps[name](cfg, scoped)
         _say(f"stage {name}: {time.monotonic() - start:.0f}s")
+
+
+def _scopes(cfg: ExperimentConfig, paths: Paths, stage: str, presets: tuple[str, ...]) -> list[Paths]:
+    """The paths a stage runs on: once, unscoped, for one preset or a shared stage; once per preset of
+    ``presets``, in order, for the per-preset stages of a several-preset experiment."""
+    if len(cfg.presets) == 1 or stage in SHARED_STAGES:
+        return [paths]
+    return [paths.at(preset) for preset in presets]

@@ -23,10 +23,10 @@ from verl_memopd.experiment.config import SftConfig
 from verl_memopd.experiment.runner import run_logged
 from verl_memopd.experiment.launching import parse_steps
 
-__all__ = ["build_sft_data", "sft_command", "run_sft", "fp32_export", "hf_export", "saved_steps", "sft_losses",
+__all__ = ["build_sft_data", "mix_traces", "sft_command", "run_sft", "fp32_export", "hf_export", "saved_steps", "sft_losses",
            "finished_sft", "continuable_sft"]
 
-#: the overrides that make verl's SFT trainer run (and run fast) on CPU; see shared CPU_NOTES.md
+#: the overrides that make verl's SFT trainer run (and run fast) on CPU
 CPU_SFT_OVERRIDES = (
     "trainer.device=cpu",
     "engine.strategy=fsdp2",
@@ -52,6 +52,25 @@ def build_sft_data(data_dir: Path, out_dir: Path) -> None:
     for split in ("val", "train"):  # train last: its file marks the stage done
         run_checked([sys.executable, "-m", "verl_memopd.tasks", "oracle", str(data_dir / f"{split}.parquet"),
                      "--traces", str(out_dir / f"{split}.parquet")])
+
+
+def mix_traces(sources: list[Path], names: list[str], out_dir: Path) -> None:
+    """Concatenate the oracle traces ``sources[i]/{train,val}.parquet`` -> ``out_dir/{train,val}.parquet``.
+
+    Rows keep their order (verl's SFT trainer shuffles); ``episode_id`` becomes ``<names[i]>/<episode_id>`` so
+    episodes of different presets stay distinct.
+    """
+    import pandas as pd
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for split in ("val", "train"):  # train last: its file marks the stage done
+        frames = []
+        for source, name in zip(sources, names, strict=True):
+            frame = pd.read_parquet(source / f"{split}.parquet")
+            frames.append(frame.assign(episode_id=name + "/" + frame["episode_id"].astype(str)))
+        tmp = out_dir / f".{split}.parquet.tmp"
+        pd.concat(frames, ignore_index=True).to_parquet(tmp, index=False)
+        tmp.rename(out_dir / f"{split}.parquet")
 
 
 def sft_command(model: Path, sft_data: Path, run_dir: Path, cfg: SftConfig, name: str) -> list[str]:
