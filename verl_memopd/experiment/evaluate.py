@@ -150,10 +150,10 @@ def stage_diagnose(cfg: ExperimentConfig, paths: Paths) -> None:
     student, teacher = start_models(cfg, paths)
     models = [("teacher", teacher), ("student", student)]
     models += [(name, Path(json.loads(done.read_text())["final_actor"])) for name, done in _diagnosed_arms(cfg, paths)]
-    from verl_memopd.agent.loop import MemoryAgentConfig
     from verl_memopd.experiment.calls import call_accuracy
+    from verl_memopd.experiment.launch import AGENT_TOKENS
 
-    budget = MemoryAgentConfig().memory_tokens  # the agent's budget of a memory call (the larger one)
+    budget = AGENT_TOKENS["memory_tokens"]  # a memory call's budget in every run of the experiment (64)
     paths.diagnose.mkdir(parents=True, exist_ok=True)
     for name, model in models:
         out = paths.diagnose / f"{name}_val.json"
