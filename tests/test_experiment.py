@@ -462,3 +462,36 @@ def test_mixed_traces_keep_every_row_and_name_episodes_by_preset(tmp_path):
     assert list(mixed["episode_id"]) == ["h3/0", "h3/1", "h6/0", "h6/1", "h6/2"]
     assert list(mixed["messages"]) == ["h3-0", "h3-1", "h6-0", "h6-1", "h6-2"]
     assert len(pd.read_parquet(tmp_path / "mixed" / "val.parquet")) == 5
+
+
+def test_handoff_saves_each_switch_point_and_resumes_after_a_stop(tmp_path, monkeypatch):
+    import pandas as pd
+
+    from verl_memopd.experiment import heldout, hf_agent
+
+    paths = Paths(tmp_path / "runs", tmp_path / "results")
+    paths.data.mkdir(parents=True)
+    pd.DataFrame({"extra_info": [{"chunks": ["a", "b"]}]}).to_parquet(paths.data / "val.parquet")
+    paths.evals().mkdir(parents=True)
+    ran: list[int] = []
+    stop_after = [2]
+
+    class Stopped(Exception):
+        pass
+
+    def fake_handoff(rows, student, teacher, tokenizer, memory_tokens, answer_tokens, switches):
+        if len(ran) == stop_after[0]:
+            raise Stopped  # the run is stopped after two switch points
+        ran.extend(switches)
+        return {t: t / 10 for t in switches}
+
+    monkeypatch.setattr(hf_agent, "handoff_f1", fake_handoff)
+    monkeypatch.setattr(hf_agent, "load_model", lambda path: (None, None))
+    with pytest.raises(Stopped):
+        heldout.teacher_handoff(full_config(), paths, Path("s"), Path("t"))
+    assert json.loads((paths.evals() / "handoff.partial.json").read_text()) == {"0": 0.0, "1": 0.1}
+    ran.clear()
+    stop_after[0] = -1  # the resumed run is not stopped
+    result = heldout.teacher_handoff(full_config(), paths, Path("s"), Path("t"))
+    assert ran == [2, 3] and result["f1_by_switch"] == {"0": 0.0, "1": 0.1, "2": 0.2, "3": 0.3}
+    assert not (paths.evals() / "handoff.partial.json").exists()

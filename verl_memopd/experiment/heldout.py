@@ -34,23 +34,31 @@ def _val_rows(paths: Paths) -> list[dict]:
 
 
 def teacher_handoff(cfg: ExperimentConfig, paths: Paths, student: Path, teacher: Path) -> dict:
-    """``eval/handoff.json``: ``{"f1_by_switch": {t: F1}, ...}`` (cached)."""
+    """``eval/handoff.json``: ``{"f1_by_switch": {t: F1}, ...}`` (cached). Each switch point is saved as it
+    finishes (``eval/handoff.partial.json``), so a stopped run resumes at the next one (a long horizon has many)."""
     from verl_memopd.experiment.hf_agent import handoff_f1, load_model
     from verl_memopd.experiment.launch import AGENT_TOKENS
 
-    out = paths.evals() / "handoff.json"
+    out, partial = paths.evals() / "handoff.json", paths.evals() / "handoff.partial.json"
     if out.is_file():
         return json.loads(out.read_text())
     started = time.monotonic()
+    rows = _val_rows(paths)
+    switches = range(len(rows[0]["extra_info"]["chunks"]) + 2)
+    f1 = {int(t): v for t, v in json.loads(partial.read_text()).items()} if partial.is_file() else {}
     print(f"[experiment {time.strftime('%H:%M:%S')}] eval handoff: the teacher takes over from the student at call t "
-          f"(val, greedy, Hugging Face generate)", flush=True)
+          f"(val, greedy, Hugging Face generate; t = {switches.start}..{switches.stop - 1}, {len(f1)} done)", flush=True)
     (s_model, tokenizer), (t_model, _) = load_model(student), load_model(teacher)
-    f1 = handoff_f1(_val_rows(paths), s_model, t_model, tokenizer, **AGENT_TOKENS)
+    for t in (t for t in switches if t not in f1):
+        f1.update(handoff_f1(rows, s_model, t_model, tokenizer, **AGENT_TOKENS, switches=[t]))
+        partial.write_text(json.dumps({str(k): v for k, v in sorted(f1.items())}) + "\n")
+        print(f"[experiment {time.strftime('%H:%M:%S')}] eval handoff: t={t} F1 {f1[t]:.3f}", flush=True)
     result = {"student": str(student), "teacher": str(teacher), "split": "val",
-              "f1_by_switch": {str(t): v for t, v in f1.items()}, "wall_s": round(time.monotonic() - started, 1)}
+              "f1_by_switch": {str(t): f1[t] for t in switches}, "wall_s": round(time.monotonic() - started, 1)}
     out.write_text(json.dumps(result, indent=1) + "\n")
+    partial.unlink()
     print(f"[experiment] eval handoff: F1 by the call the teacher takes over at: "
-          + " ".join(f"{t}:{v:.3f}" for t, v in f1.items()), flush=True)
+          + " ".join(f"{t}:{f1[t]:.3f}" for t in switches), flush=True)
     return result
 
 

@@ -141,12 +141,12 @@ def agent_calls(rows: Sequence[dict], models: Sequence, tokenizer, memory_tokens
 
 
 def handoff_f1(rows: Sequence[dict], student, teacher, tokenizer, memory_tokens: int, answer_tokens: int,
-               batch: int = 32) -> dict[int, float]:
-    """Mean F1 when the teacher takes over at call ``t`` (greedy), for every ``t`` from 0 (teacher alone) to
-    the number of calls (student alone)."""
+               batch: int = 32, switches: Sequence[int] | None = None) -> dict[int, float]:
+    """Mean F1 when the teacher takes over at call ``t`` (greedy), for every ``t`` of ``switches`` (default: every
+    ``t`` from 0, the teacher alone, to the number of calls, the student alone)."""
     n = len(rows[0]["extra_info"]["chunks"]) + 1
     result = {}
-    for t in range(n + 1):
+    for t in range(n + 1) if switches is None else switches:
         episodes = agent_calls(rows, (student, teacher), tokenizer, memory_tokens, answer_tokens, switch_at=t,
                                batch=batch)
         result[t] = sum(e.f1 for e in episodes) / len(episodes)
