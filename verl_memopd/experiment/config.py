@@ -36,7 +36,8 @@ class SftConfig:
 
     ``steps`` optimizer steps of ``batch`` rows (one row = one agent call), lr warmed up over
     ``warmup_steps`` then cosine-decayed to ``min_lr_ratio * lr``; a checkpoint (verl format plus
-    a Hugging Face export) and a validation loss every ``save_every`` steps.
+    a Hugging Face export) and a validation loss every ``save_every`` steps. ``step_s`` is the measured wall
+    time of one step alone on 2 cores, used only for the ETA the stage prints.
     """
 
     steps: int
@@ -45,6 +46,7 @@ class SftConfig:
     save_every: int
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
+    step_s: float = 1.5
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch < 1 or self.save_every < 1:
@@ -180,7 +182,7 @@ def full_config() -> ExperimentConfig:
         # run 4: one 4500-step cosine at 1e-3, val loss 0.056, F1 0.707; peak 3e-3: val loss 0.56 vs 0.37 at
         # step 250). Run 3 is runs/cpu_tiny/sft/teacher, run 4 under its archive/.
         teacher_sft=SftConfig(steps=4000, batch=32, lr=5e-4, save_every=250, warmup_steps=40, min_lr_ratio=0.2),
-        student_sft=SftConfig(steps=300, batch=32, lr=1e-3, save_every=50), student_eval_steps=(100, 200, 300),
+        student_sft=SftConfig(steps=300, batch=32, lr=1e-3, save_every=50, step_s=1.2), student_eval_steps=(100, 200, 300),
         # RL lr = the student SFT's final lr (cosine floor 0.1 x 1e-3): the arms continue at the rate the
         # student was last trained with (1e-5 would move this 2-layer model ~1% in 30 Adam steps)
         arms=ArmsConfig(steps=30, val_every=10, episodes_per_step=4, samples_per_episode=2, lr=1e-4,
@@ -225,8 +227,11 @@ def smollm2_config() -> ExperimentConfig:
     """
     return ExperimentConfig(
         name="cpu_smollm2", data_seed=0, n_train=2048, n_val=32, n_test=64, base_model="smollm2",
-        teacher_sft=SftConfig(steps=150, batch=8, lr=5e-5, save_every=50, warmup_steps=2, min_lr_ratio=0.1),
-        student_sft=SftConfig(steps=20, batch=8, lr=3e-5, save_every=5, warmup_steps=2, min_lr_ratio=0.1),
+        # step_s: 22 s a step of 8 calls (the horizon teacher's 300 steps took 6637 s alone on 2 cores, fp32)
+        teacher_sft=SftConfig(steps=150, batch=8, lr=5e-5, save_every=50, warmup_steps=2, min_lr_ratio=0.1,
+                              step_s=22.0),
+        student_sft=SftConfig(steps=20, batch=8, lr=3e-5, save_every=5, warmup_steps=2, min_lr_ratio=0.1,
+                              step_s=22.0),
         student_eval_steps=(10, 15, 20), student_f1_band=(0.2, 0.5),
         arms=ArmsConfig(steps=10, val_every=5, episodes_per_step=8, samples_per_episode=1, lr=2e-5,
                         seeds=(0, 1, 2), arms=("memopd", "flat", "ppo", "opd", "kd")),
@@ -252,7 +257,7 @@ def smollm2_horizon_config() -> ExperimentConfig:
     base = smollm2_config()
     return replace(
         base, name="cpu_smollm2_horizon", presets=tuple(f"h{t}" for t in HORIZONS), n_test=128,
-        teacher_sft=SftConfig(steps=300, batch=8, lr=5e-5, save_every=50, warmup_steps=4, min_lr_ratio=0.1),
+        teacher_sft=replace(base.teacher_sft, steps=300, warmup_steps=4),
         student_eval_steps=(), student_f1_band=None,
         arms=replace(base.arms, arms=("memopd", "opd", "kd", "flat")),
     )

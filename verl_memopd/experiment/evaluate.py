@@ -102,10 +102,19 @@ def chosen_student(cfg: ExperimentConfig, paths: Paths) -> int:
 
 
 def stage_eval(cfg: ExperimentConfig, paths: Paths) -> None:
-    """Evaluate what the arms and the report need; every eval is cached in ``eval/``."""
+    """Evaluate what the arms and the report need; every eval is cached in ``eval/``. The F1s come first (minutes,
+    and they decide whether the teacher is competent), the hand-off curve and the held-out KL after (an hour at a
+    long horizon)."""
     step = chosen_student(cfg, paths)
     paths.evals().mkdir(parents=True, exist_ok=True)
     (paths.evals() / "student_choice.json").write_text(json.dumps({"step": step}) + "\n")
+    if cfg.final_evals:
+        eval_sft_checkpoint(cfg, paths, "student", step, "test")
+        teacher = eval_sft_checkpoint(cfg, paths, "teacher", cfg.teacher_sft.steps, "val")
+        eval_sft_checkpoint(cfg, paths, "teacher", cfg.teacher_sft.steps, "test")
+        if teacher["f1"] < cfg.teacher_f1_target:
+            print(f"[experiment] WARNING: teacher val F1 {teacher['f1']:.3f} < target {cfg.teacher_f1_target} "
+                  "(the arms still run; the report shows it)", flush=True)
     if cfg.heldout:
         from verl_memopd.experiment.heldout import heldout_kl, teacher_handoff
 
@@ -113,14 +122,6 @@ def stage_eval(cfg: ExperimentConfig, paths: Paths) -> None:
         teacher_handoff(cfg, paths, student, teacher)
         heldout_kl(cfg, paths, student, teacher, paths.evals() / "heldout_kl_student.json",
                    {"arm": "student", "seed": 0, "step": 0})
-    if not cfg.final_evals:
-        return
-    eval_sft_checkpoint(cfg, paths, "student", step, "test")
-    teacher = eval_sft_checkpoint(cfg, paths, "teacher", cfg.teacher_sft.steps, "val")
-    eval_sft_checkpoint(cfg, paths, "teacher", cfg.teacher_sft.steps, "test")
-    if teacher["f1"] < cfg.teacher_f1_target:
-        print(f"[experiment] WARNING: teacher val F1 {teacher['f1']:.3f} < target {cfg.teacher_f1_target} "
-              "(the arms still run; the report shows it)", flush=True)
 
 
 def start_models(cfg: ExperimentConfig, paths: Paths) -> tuple[Path, Path]:

@@ -108,9 +108,8 @@ def _stage_sft(role: str, cfg: ExperimentConfig, paths: Paths) -> None:
     if done is not None and done["steps"] == sft.steps:
         return _say(f"sft_{role}: done ({done['hf']})")
     start = 0 if done is None else done["steps"]
-    per_step_s = 1.5 if role == "teacher" else 1.2  # alone on 2 cores (measured); x2-3 when shared
     _say(f"sft_{role}: {'' if done is None else f'extending {start} -> '}{sft.steps} steps x {sft.batch} "
-         f"calls, lr {sft.lr}, checkpoint every {sft.save_every} (ETA ~{(sft.steps - start) * per_step_s / 60:.0f} "
+         f"calls, lr {sft.lr}, checkpoint every {sft.save_every} (ETA ~{(sft.steps - start) * sft.step_s / 60:.0f} "
          f"min alone; progress: tail -f {run_dir / 'sft.log'})")
     hf = run_sft(paths.models / role, paths.sft_data, run_dir, sft, f"sft_{role}", cpu_env(paths.root))
     _say(f"sft_{role}: done -> {hf}")
