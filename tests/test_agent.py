@@ -21,7 +21,7 @@ from verl.workers.rollout.replica import TokenOutput
 
 from verl_memopd.agent import MemoryAgentConfig
 from verl_memopd.agent.context import CallContext
-from verl_memopd.agent.loop import EXTRA_EPISODE, EXTRA_POSITION_IDS, EXTRA_SEGMENT_IDS, EXTRA_TEACHER_MASK
+from verl_memopd.fields import EPISODE, POSITION_IDS, SEGMENT_IDS, TEACHER_MASK
 from verl_memopd.packing import pack_episode
 from verl_memopd.records import Episode
 from verl_memopd.tasks.dataset import AGENT_NAME, to_row
@@ -125,7 +125,7 @@ def episode_run(tokenizer):
     row = _row()
     server = FakeServer(_script(tokenizer, [a[0] for a in row["reward_model"]["ground_truth"]]))
     output = _run(tokenizer, server, row)
-    return row, server, output, Episode.from_dict(output.extra_fields[EXTRA_EPISODE])
+    return row, server, output, Episode.from_dict(output.extra_fields[EPISODE])
 
 
 QWEN_LIKE = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
@@ -212,15 +212,15 @@ def test_output_is_the_packed_row_with_documented_extra_fields(episode_run):
     assert output.response_mask == list(packed.response_mask)
     assert output.response_logprobs == list(packed.response_logprobs)
     assert sum(output.response_mask) == sum(len(i.response_ids) for i in episode.invocations)
-    assert output.extra_fields[EXTRA_POSITION_IDS] == list(packed.position_ids)
-    assert output.extra_fields[EXTRA_SEGMENT_IDS] == list(packed.segment_ids)
-    assert output.extra_fields[EXTRA_TEACHER_MASK] == list(packed.teacher_mask)
+    assert output.extra_fields[POSITION_IDS] == list(packed.position_ids)
+    assert output.extra_fields[SEGMENT_IDS] == list(packed.segment_ids)
+    assert output.extra_fields[TEACHER_MASK] == list(packed.teacher_mask)
     assert output.num_turns == 2 * len(episode.invocations)
     # what verl's TransferQueue path does with it: as_dict, then one TensorDict row
     td = list_of_dict_to_tensordict([output.as_dict()])
     assert td["responses"][0].tolist() == output.response_ids
     assert td["rm_scores"][0][-1].item() == output.reward_score
-    assert td["extra_fields"][0][EXTRA_POSITION_IDS] == list(packed.position_ids)
+    assert td["extra_fields"][0][POSITION_IDS] == list(packed.position_ids)
 
 
 def test_weight_versions_become_verls_staleness_tags(episode_run):
@@ -287,7 +287,7 @@ def test_generation_config_eos_ids_are_stop_ids(tokenizer, tmp_path):
     config = _config()
     config.actor_rollout_ref.model = {"path": str(tmp_path)}
     server = FakeServer(lambda t, prompt, max_tokens: _filler(prompt, 3) + [7])
-    episode = Episode.from_dict(_run(tokenizer, server, _row(), config).extra_fields[EXTRA_EPISODE])
+    episode = Episode.from_dict(_run(tokenizer, server, _row(), config).extra_fields[EPISODE])
     assert all(r["sampling_params"]["stop_token_ids"] == [tokenizer.eos_token_id, 7] for r in server.requests)
     assert all(i.finish_reason == "stop" and i.response_ids[-1] == 7 for i in episode.invocations)
     assert episode.invocations[0].memory_span == (0, 3)
@@ -385,10 +385,9 @@ def _vllm_rollout(model: str, out: str) -> None:
     import time
 
     import ray
+    import verl
     from hydra import compose, initialize_config_dir
     from transformers import AutoTokenizer
-
-    import verl
     from verl.workers.rollout.llm_server import LLMServerManager
 
     overrides = [f"actor_rollout_ref.rollout.{k}" for k in (
@@ -418,12 +417,12 @@ def _vllm_rollout(model: str, out: str) -> None:
             t0 = time.perf_counter()
             outputs = asyncio.run(_episodes(tokenizer, server, rows, cfg))
             runs[name] = {"seconds": time.perf_counter() - t0, "requests": server.requests, "stop_ids": stop_ids,
-                          "episodes": [o.extra_fields[EXTRA_EPISODE] for o in outputs]}
+                          "episodes": [o.extra_fields[EPISODE] for o in outputs]}
         converted = _converted_rows(tokenizer, VLLM_CONVERTED, chunk_tokens=48)  # your own data, same server
         server = RecordingClient(manager.get_client())
         outputs = asyncio.run(_episodes(tokenizer, server, converted, config))
         runs_converted = {"rows": converted, "requests": server.requests,
-                          "episodes": [o.extra_fields[EXTRA_EPISODE] for o in outputs]}
+                          "episodes": [o.extra_fields[EPISODE] for o in outputs]}
     finally:
         ray.shutdown()
     with open(out, "w") as f:

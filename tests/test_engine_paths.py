@@ -30,12 +30,12 @@ from verl.utils.torch_functional import entropy_from_logits
 from verl.workers.engine.fsdp import transformer_impl
 
 from verl_memopd.attention import attention_implementation
+from verl_memopd.bench.tiny import student_model
+from verl_memopd.fields import SEGMENT_IDS, SEGMENTS
 from verl_memopd.packing import pack_episode
 from verl_memopd.rce import TOLERANCES, EpisodeShape, random_episodes
-from verl_memopd.bench.tiny import student_model
 from verl_memopd.trainer.calls import calls_alone
 from verl_memopd.trainer.engine import MemopdLMEngine
-from verl_memopd.trainer.rows import SEGMENT_IDS
 
 VOCAB = 256
 SHAPE = EpisodeShape(prefix_len=(4, 12), chunk_len=(1, 6), response_len=(1, 6))
@@ -99,7 +99,7 @@ def _calls_alone(model, rows, autocast_dtype):
     """Reference: every call run alone ([q ; block_t], its restored positions) under stock sdpa, with the
     same autocast -> stream log-softmax (N', V), stream token ids (N',), spans (``calls_alone``), max |logit|."""
     inputs, spans, _ = calls_alone(*(list(x) for x in zip(*rows)))
-    inputs.pop("memopd_segments")  # sdpa: every sequence its own batch row would need padding; run them one by one
+    inputs.pop(SEGMENTS)  # sdpa: every sequence its own batch row would need padding; run them one by one
     ids, pos = inputs["input_ids"][0], inputs["position_ids"][0]
     starts = torch.nonzero(pos == 0, as_tuple=True)[0].tolist() + [ids.numel()]
     with attention_implementation(model, "sdpa"), torch.autocast("cpu", dtype=autocast_dtype,

@@ -12,12 +12,25 @@ from pathlib import Path
 
 import pytest
 
-from verl_memopd.experiment.config import (ExperimentConfig, Paths, SftConfig, SweepConfig, Variant, full_config,
-                                           smoke_config)
+from verl_memopd.experiment.config import (
+    ExperimentConfig,
+    Paths,
+    SftConfig,
+    SweepConfig,
+    Variant,
+    full_config,
+    smoke_config,
+)
 from verl_memopd.experiment.launch import val_scores
 from verl_memopd.experiment.launching import parse_steps
-from verl_memopd.experiment.report import (COLUMNS, diagnostic_lines, read_metrics, sensitivity_lines, summary_lines,
-                                           write_metrics)
+from verl_memopd.experiment.report import (
+    COLUMNS,
+    diagnostic_lines,
+    read_metrics,
+    sensitivity_lines,
+    summary_lines,
+    write_metrics,
+)
 from verl_memopd.experiment.sft import fp32_export, sft_losses
 
 REPO = Path(__file__).resolve().parents[1]
@@ -412,7 +425,7 @@ def test_done_record_says_how_many_attempts_and_where_the_last_resumed(tmp_path,
      ["global_step_5/huggingface/config.json"]),
 ])
 def test_prune_keeps_only_the_hugging_face_exports(tmp_path, keep, files, kept):
-    from verl_memopd.experiment.arms import prune_checkpoints
+    from verl_memopd.experiment.launching import prune_checkpoints
 
     for f in files:
         (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)

@@ -19,9 +19,15 @@ from verl.utils.py_functional import append_to_dict
 from verl.workers.config import ActorConfig
 from verl.workers.utils.losses import ppo_loss
 
+from verl_memopd.fields import STUDENT_LOGITS_STREAM
 from verl_memopd.losses import get_divergence, naive_divergence
-from verl_memopd.losses.actor import (STUDENT_LOGITS_STREAM, LossInputError, OPDLossConfig,
-                                      assign_global_teacher_counts, memopd_actor_loss, opd_loss)
+from verl_memopd.losses.actor import (
+    LossInputError,
+    OPDLossConfig,
+    assign_global_teacher_counts,
+    memopd_actor_loss,
+    opd_loss,
+)
 from verl_memopd.supervision import get_transport, nest_payload
 
 V, ROWS, H, HT = 41, 48, 8, 10  # vocabulary, padded head rows, student / teacher hidden

@@ -10,11 +10,12 @@ from transformers import AttentionInterface
 
 from verl_memopd import audit, rce
 from verl_memopd.attention import BACKENDS, HF_NAMES, attention_implementation, forward_layout, hf_name
+from verl_memopd.bench.tiny import student_model
 from verl_memopd.packing import build_layout, pack_episode
 from verl_memopd.rce import EpisodeShape, random_episodes, rce_audit, reference_logits, reversed_block_packer, self_test
+from verl_memopd.rce.__main__ import main as rce_cli
 from verl_memopd.records import Episode
 from verl_memopd.segments import segment_meta
-from verl_memopd.bench.tiny import student_model
 
 VOCAB = 256
 SHAPE = EpisodeShape(prefix_len=(4, 24), chunk_len=(1, 12), response_len=(1, 10))
@@ -93,12 +94,12 @@ def test_random_episodes_carry_memory_into_the_next_call():
 
 
 def test_cli_prints_the_rce_line_and_exit_status(capsys, monkeypatch):
-    assert rce.main(["--episodes", "6", "--seed", "3"]) == 0
+    assert rce_cli(["--episodes", "6", "--seed", "3"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     m = re.fullmatch(r"RCE episodes=6 max_abs_diff=(\S+) flat_max_abs_diff=(\S+)", last)
     assert m and float(m.group(1)) <= 1e-4 < float(m.group(2))
     monkeypatch.setitem(rce.TOLERANCES, torch.float32, rce.Tolerance(atol=1e-12, rtol=0.0))
-    assert rce.main(["--episodes", "6", "--seed", "3"]) == 1  # a diff above tolerance fails the audit
+    assert rce_cli(["--episodes", "6", "--seed", "3"]) == 1  # a diff above tolerance fails the audit
 
 
 @torch.no_grad()
@@ -169,11 +170,11 @@ def test_at_default_init_bf16_rounding_hides_the_position_fault_and_the_rule_say
 
 
 def test_cli_self_test_prints_the_contract_line(capsys, monkeypatch):
-    assert rce.main(["--self-test", "--episodes", "4", "--seed", "1"]) == 0
+    assert rce_cli(["--self-test", "--episodes", "4", "--seed", "1"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == \
         "RCE self-test dtype=float32 faults=7 detected_offline=7 detected_in_training=7 clean_pass=1"
     monkeypatch.setitem(rce.TOLERANCES, torch.float32, rce.Tolerance(atol=1e-12, rtol=0.0))  # both audits too strict
-    assert rce.main(["--self-test", "--episodes", "4", "--seed", "1"]) == 1
+    assert rce_cli(["--self-test", "--episodes", "4", "--seed", "1"]) == 1
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith("clean_pass=0")
 
 

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from verl_memopd.fields import TEACHER_TAIL_LOGPROB, TEACHER_TOPK_IDS, TEACHER_TOPK_LOGPROBS
 from verl_memopd.losses import Chunking, StudentLogits, divergence_loss, get_divergence, naive_divergence
 from verl_memopd.supervision import (
     TRANSPORTS,
@@ -78,11 +79,11 @@ def test_topk_payload_is_the_teachers_top_tokens():
     payload = get_transport("topk", k=5).encode(ht, wt, V, temp)
     logp = torch.log_softmax((ht @ wt[:V].T) / temp[:, None], -1)
     top = logp.topk(5, dim=-1)
-    assert torch.equal(payload["memopd_teacher_topk_ids"].long(), top.indices)
-    torch.testing.assert_close(payload["memopd_teacher_topk_logprobs"], top.values)
+    assert torch.equal(payload[TEACHER_TOPK_IDS].long(), top.indices)
+    torch.testing.assert_close(payload[TEACHER_TOPK_LOGPROBS], top.values)
     tail = torch.log1p(-top.values.exp().sum(-1))
-    torch.testing.assert_close(payload["memopd_teacher_tail_logprob"], tail, rtol=1e-4, atol=1e-5)
-    assert payload["memopd_teacher_topk_ids"].dtype == torch.int32
+    torch.testing.assert_close(payload[TEACHER_TAIL_LOGPROB], tail, rtol=1e-4, atol=1e-5)
+    assert payload[TEACHER_TOPK_IDS].dtype == torch.int32
 
 
 def test_padded_head_rows_are_excluded_on_both_sides():
@@ -126,7 +127,7 @@ def test_transport_errors_name_the_problem():
     with pytest.raises(SupervisionError, match="needs the actor's frozen copy of the teacher head"):
         get_transport("hidden").decode({"memopd_teacher_hidden": ht}, None, V)
     with pytest.raises(SupervisionError, match=r"payload lacks \['memopd_teacher_tail_logprob'\]"):
-        get_transport("topk").decode({"memopd_teacher_topk_ids": ht, "memopd_teacher_topk_logprobs": ht}, None, V)
+        get_transport("topk").decode({TEACHER_TOPK_IDS: ht, TEACHER_TOPK_LOGPROBS: ht}, None, V)
     with pytest.raises(SupervisionError, match="k = 62 exceeds the vocabulary size 61"):
         get_transport("topk", k=V + 1).encode(ht, wt, V, temp)
     with pytest.raises(SupervisionError, match="head weight has 40 rows, fewer than the vocabulary size 61"):

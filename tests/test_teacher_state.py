@@ -24,26 +24,29 @@ from transformers import Qwen2ForCausalLM
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import Metric
 
-from verl_memopd.agent.loop import EXTRA_EPISODE, EXTRA_POSITION_IDS, EXTRA_SEGMENT_IDS, EXTRA_TEACHER_MASK
 from verl_memopd.attention import hf_name
-from verl_memopd.losses.actor import (
+from verl_memopd.bench.tiny import student_config, teacher_config
+from verl_memopd.fields import (
     CALL_INDEX,
+    EPISODE,
+    POSITION_IDS,
+    SEGMENT_IDS,
     STUDENT_LOGITS,
     TEACHER_HEAD,
+    TEACHER_HIDDEN,
+    TEACHER_HIDDEN_ALIGNED,
+    TEACHER_HIDDEN_FLAT,
     TEACHER_MASK,
-    OPDLossConfig,
-    assign_global_teacher_counts,
-    opd_loss,
 )
+from verl_memopd.losses.actor import OPDLossConfig, assign_global_teacher_counts, opd_loss
 from verl_memopd.packing import pack_episode
 from verl_memopd.rce import EpisodeShape, random_episodes
-from verl_memopd.supervision import TEACHER_HIDDEN, encode_teacher_rows, get_transport
-from verl_memopd.bench.tiny import student_config, teacher_config
+from verl_memopd.supervision import encode_teacher_rows, get_transport
 from verl_memopd.trainer import ppo
-from verl_memopd.trainer.audit import TEACHER_HIDDEN_ALIGNED, TEACHER_HIDDEN_FLAT, teacher_layout_kl
+from verl_memopd.trainer.audit import teacher_layout_kl
 from verl_memopd.trainer.config import AuditConfig, DistillConfig, MemopdConfig, MemopdConfigError, TeacherConfig
 from verl_memopd.trainer.engine import micro_batch_segments
-from verl_memopd.trainer.rows import SEGMENT_IDS, layout_fields
+from verl_memopd.trainer.rows import layout_fields
 from verl_memopd.trainer.teacher import TeacherPass, teacher_passes
 
 VOCAB = 256
@@ -142,8 +145,8 @@ def _model(config, seed):
 
 def _extra(ep) -> dict:
     row = pack_episode(ep)
-    return {EXTRA_EPISODE: ep.to_dict(), EXTRA_POSITION_IDS: list(row.position_ids),
-            EXTRA_SEGMENT_IDS: list(row.segment_ids), EXTRA_TEACHER_MASK: list(row.teacher_mask)}
+    return {EPISODE: ep.to_dict(), POSITION_IDS: list(row.position_ids),
+            SEGMENT_IDS: list(row.segment_ids), TEACHER_MASK: list(row.teacher_mask)}
 
 
 def _nested(tensors):

@@ -10,15 +10,13 @@ from omegaconf import OmegaConf
 from tensordict import TensorDict
 
 from verl_memopd.attention import BACKENDS, attention_implementation, hf_name, scoped_backend
-from verl_memopd.audit import CallRecord, encode_records, record_calls, records_of_episode, rce_spot_check
+from verl_memopd.audit import CallRecord, encode_records, rce_spot_check, record_calls, records_of_episode
+from verl_memopd.bench.tiny import student_model
+from verl_memopd.fields import RCE_FIELD, RCE_TOLERANCE_FIELD, RECORD_FIELDS, SEGMENT_IDS
 from verl_memopd.packing import pack_episode
 from verl_memopd.rce import ROW_FAULTS, EpisodeShape, random_episodes, spot_check_rows
 from verl_memopd.segments import segment_meta
-from verl_memopd.bench.tiny import student_model
 from verl_memopd.trainer.audit import (
-    RCE_FIELD,
-    RCE_TOLERANCE_FIELD,
-    RECORD_FIELDS,
     RceAuditError,
     micro_batch_records,
     rce_check,
@@ -30,7 +28,6 @@ from verl_memopd.trainer.audit import (
 from verl_memopd.trainer.calls import calls_alone
 from verl_memopd.trainer.config import AuditConfig, MemopdConfigError, from_config
 from verl_memopd.trainer.engine import MemopdLMEngine
-from verl_memopd.trainer.rows import SEGMENT_IDS
 from verl_memopd.trainer.reward import clipped_kl_penalty, penalty_metrics
 
 VOCAB = 256

@@ -15,16 +15,14 @@ from verl.utils import tensordict_utils as tu
 
 from verl_memopd.attention import hf_name
 from verl_memopd.bench.packing import grouped_episodes
-from verl_memopd.losses.actor import TEACHER_MASK
+from verl_memopd.bench.tiny import student_config
+from verl_memopd.fields import PROMPT_GROUP, SEGMENT_IDS, TEACHER_HIDDEN, TEACHER_MASK, TEACHER_OUTPUT_KEY
 from verl_memopd.packing import pack_episode
 from verl_memopd.rce import EpisodeShape, random_episodes
 from verl_memopd.segments import segment_meta
-from verl_memopd.supervision import TEACHER_HIDDEN
-from verl_memopd.trainer.audit import TEACHER_OUTPUT_KEY
-from verl_memopd.bench.tiny import student_config
 from verl_memopd.trainer.engine import MemopdLMEngine, MemopdTeacherEngine, MemopdValueEngine, final_norm
-from verl_memopd.trainer.groups import PROMPT_GROUP, share_prefix
-from verl_memopd.trainer.rows import SEGMENT_IDS, prompt_groups
+from verl_memopd.trainer.groups import share_prefix
+from verl_memopd.trainer.rows import prompt_groups
 
 VOCAB = 256
 SHAPE = EpisodeShape(prefix_len=(6, 16), calls=(1, 4), chunk_len=(1, 8), response_len=(1, 8))

@@ -6,11 +6,11 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from verl_memopd.agent.loop import EXTRA_EPISODE, EXTRA_POSITION_IDS, EXTRA_SEGMENT_IDS, EXTRA_TEACHER_MASK
+from verl_memopd.fields import EPISODE, POSITION_IDS, SEGMENT_IDS, TEACHER_MASK
 from verl_memopd.packing import pack_episode
 from verl_memopd.records import Episode, Invocation
 from verl_memopd.trainer.engine import micro_batch_segments
-from verl_memopd.trainer.rows import SEGMENT_IDS, MemopdRowError, layout_fields, padding_fields, sharing_metrics
+from verl_memopd.trainer.rows import MemopdRowError, layout_fields, padding_fields, sharing_metrics
 
 Q = (5, 6, 7)
 
@@ -23,8 +23,8 @@ def _episode() -> Episode:
 
 def _extra(ep: Episode) -> dict:
     row = pack_episode(ep)
-    return {EXTRA_EPISODE: ep.to_dict(), EXTRA_POSITION_IDS: list(row.position_ids),
-            EXTRA_SEGMENT_IDS: list(row.segment_ids), EXTRA_TEACHER_MASK: list(row.teacher_mask)}
+    return {EPISODE: ep.to_dict(), POSITION_IDS: list(row.position_ids),
+            SEGMENT_IDS: list(row.segment_ids), TEACHER_MASK: list(row.teacher_mask)}
 
 
 def test_packed_fields_are_the_recorded_layout():

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from verl_memopd.fields import SEGMENTS
 from verl_memopd.packing import BatchLayout
 from verl_memopd.segments import SegmentMeta
 
@@ -313,7 +314,7 @@ def forward_hidden(model: torch.nn.Module, layout: BatchLayout) -> torch.Tensor:
     """
     backend = require_packed_attention(model) if layout.needs_segment_attention else backend_of(model)
     device = model.get_input_embeddings().weight.device
-    kwargs = {} if backend is None else {"memopd_segments": layout.segments.to(device)}
+    kwargs = {} if backend is None else {SEGMENTS: layout.segments.to(device)}
     out = model.base_model(input_ids=layout.input_ids.to(device), position_ids=layout.position_ids.to(device),
                            use_cache=False, **kwargs)
     hidden = out.last_hidden_state

@@ -34,6 +34,7 @@ from typing import Any, ClassVar, Mapping, Optional
 
 import torch
 
+from verl_memopd.fields import TEACHER_HIDDEN, TEACHER_TAIL_LOGPROB, TEACHER_TOPK_IDS, TEACHER_TOPK_LOGPROBS
 from verl_memopd.registry import Registry
 
 __all__ = [
@@ -247,8 +248,6 @@ def get_transport(name: str, **options: Any) -> Transport:
     return TRANSPORTS.build(name, **options)
 
 
-#: TransferQueue field of the ``hidden`` transport: teacher final hidden states at m_T, (B, A_b*, H)
-TEACHER_HIDDEN = "memopd_teacher_hidden"
 
 
 @register_transport("hidden")
@@ -290,9 +289,9 @@ class TopKTransport(Transport):
     k: int = 128
     token_chunk_size: int = 256
     payload_keys: ClassVar[tuple[str, ...]] = (
-        "memopd_teacher_topk_ids",
-        "memopd_teacher_topk_logprobs",
-        "memopd_teacher_tail_logprob",
+        TEACHER_TOPK_IDS,
+        TEACHER_TOPK_LOGPROBS,
+        TEACHER_TAIL_LOGPROB,
     )
 
     def __post_init__(self) -> None:

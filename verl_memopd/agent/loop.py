@@ -65,19 +65,16 @@ from verl.utils.model import get_generation_config
 
 from verl_memopd.agent import errors as agent_errors
 from verl_memopd.agent.context import CallContext
+from verl_memopd.fields import EPISODE, POSITION_IDS, SEGMENT_IDS, TEACHER_MASK
 from verl_memopd.packing import pack_episode
 from verl_memopd.records import Episode, Invocation
 from verl_memopd.tasks.dataset import AGENT_NAME, TaskRow, parse_row
 from verl_memopd.tasks.prompts import CALL_FIELDS, DATA_FIELDS, MemoryPrompts, parse_answers
 from verl_memopd.tasks.reward import answer_recall, score_answers
 
-__all__ = ["MemoryAgentConfig", "MemoryAgentLoop", "EXTRA_EPISODE", "EXTRA_POSITION_IDS", "EXTRA_SEGMENT_IDS",
-           "EXTRA_TEACHER_MASK"]
+__all__ = ["MemoryAgentConfig", "MemoryAgentLoop", "EPISODE", "POSITION_IDS", "SEGMENT_IDS",
+           "TEACHER_MASK"]
 
-EXTRA_EPISODE = "memopd_episode"
-EXTRA_POSITION_IDS = "memopd_position_ids"
-EXTRA_SEGMENT_IDS = "memopd_segment_ids"
-EXTRA_TEACHER_MASK = "memopd_teacher_mask"
 
 
 @dataclass(frozen=True)
@@ -244,8 +241,8 @@ class MemoryAgentLoop(AgentLoopBase):
             reward_score=score.f1, num_turns=2 * len(calls),
             metrics={"generate_sequences": generate_s},
             extra_fields={
-                EXTRA_EPISODE: episode.to_dict(), EXTRA_POSITION_IDS: list(row.position_ids),
-                EXTRA_SEGMENT_IDS: list(row.segment_ids), EXTRA_TEACHER_MASK: list(row.teacher_mask),
+                EPISODE: episode.to_dict(), POSITION_IDS: list(row.position_ids),
+                SEGMENT_IDS: list(row.segment_ids), TEACHER_MASK: list(row.teacher_mask),
                 "reward_extra_info": {"f1": score.f1, "em": score.em, **diagnostics},
                 **_weight_steps(versions),
             },

@@ -54,6 +54,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from verl_memopd.attention import BACKENDS, attention_implementation, backend_of, hf_name
+from verl_memopd.fields import SEGMENTS
 from verl_memopd.packing import BatchLayout, build_layout, pack_episode
 from verl_memopd.rce import EpisodeShape, random_episodes
 from verl_memopd.records import Episode
@@ -140,7 +141,7 @@ def group_stream(episodes: Sequence[Episode], packed: BatchLayout) -> Stream:
     if shared is None:
         return Stream.of(packed)
     inputs, index = shared
-    return Stream(inputs["input_ids"], inputs["position_ids"], inputs["memopd_segments"],
+    return Stream(inputs["input_ids"], inputs["position_ids"], inputs[SEGMENTS],
                   index[packed.action_index], packed.action_ids)
 
 
@@ -173,7 +174,7 @@ def clock(device: torch.device) -> float:
 def _hidden(model: torch.nn.Module, stream: Stream) -> torch.Tensor:
     """Final post-norm hidden states at the predicting positions: (A, H)."""
     device = model.get_input_embeddings().weight.device
-    kwargs = {} if backend_of(model) is None else {"memopd_segments": stream.segments.to(device)}
+    kwargs = {} if backend_of(model) is None else {SEGMENTS: stream.segments.to(device)}
     out = model.base_model(input_ids=stream.input_ids.to(device), position_ids=stream.position_ids.to(device),
                            use_cache=False, **kwargs)
     hidden = out.last_hidden_state

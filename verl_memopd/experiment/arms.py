@@ -19,13 +19,13 @@ import time
 from pathlib import Path
 
 from verl_memopd.experiment.config import ARMS, KD_ARM, ExperimentConfig, Paths, Variant
-from verl_memopd.experiment.evaluate import eval_model, start_models
+from verl_memopd.experiment.evaluate import eval_model
 from verl_memopd.experiment.launch import main_ppo
+from verl_memopd.experiment.launching import cpu_env, prune_checkpoints
 from verl_memopd.experiment.runner import attempts, heavy, heavy_wall_s, last_attempt, run_logged
-from verl_memopd.experiment.launching import cpu_env
-from verl_memopd.experiment.sft import fp32_export
+from verl_memopd.experiment.sft import fp32_export, start_models
 
-__all__ = ["arm_command", "run_arm", "prune_checkpoints", "stage_arms", "stage_sweep", "check_arm_overrides"]
+__all__ = ["arm_command", "run_arm", "stage_arms", "stage_sweep", "check_arm_overrides"]
 
 
 def arm_command(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, teacher,
@@ -121,19 +121,6 @@ def run_arm(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, t
                                      {"role": arm, "seed": seed, "step": a.steps, "split": "test"})["f1"]
     (run_dir / "DONE.json").write_text(json.dumps(done) + "\n")
     prune_checkpoints(run_dir / "checkpoints")
-
-
-def prune_checkpoints(checkpoints: Path, keep: str = "actor/huggingface") -> None:
-    """After an arm is done: drop its resumable state (FSDP shards, optimizer, the critic), keep the Hugging Face
-    exports (``global_step_*/<keep>``: evaluated, diagnosed) -- ~3 GB less per arm of a 135M-parameter model."""
-    import shutil
-
-    for step_dir in checkpoints.glob("global_step_*"):
-        kept = step_dir / keep
-        for item in list(step_dir.rglob("*")):
-            if item.exists() and item != kept and kept not in item.parents and item not in kept.parents and \
-                    item.name != "data.pt":
-                shutil.rmtree(item) if item.is_dir() else item.unlink()
 
 
 def stage_arms(cfg: ExperimentConfig, paths: Paths) -> None:

@@ -26,10 +26,11 @@ from pathlib import Path
 
 from verl_memopd.experiment.config import ExperimentConfig, Paths
 from verl_memopd.experiment.launch import main_ppo, read_log, val_scores
-from verl_memopd.experiment.runner import heavy, heavy_wall_s, run_logged
 from verl_memopd.experiment.launching import cpu_env, parse_steps
+from verl_memopd.experiment.runner import heavy, heavy_wall_s, run_logged
+from verl_memopd.experiment.sft import hf_export, start_models
 
-__all__ = ["eval_command", "eval_model", "eval_sft_checkpoint", "stage_eval", "chosen_student", "start_models",
+__all__ = ["eval_command", "eval_model", "eval_sft_checkpoint", "stage_eval", "chosen_student",
            "diagnose_names", "stage_diagnose", "EvalResult"]
 
 EvalResult = dict  # {"role", "step", "split", "f1", "em", "wall_s", "model"} (+ "memory_recall", "memory_truncated")
@@ -73,7 +74,6 @@ def eval_model(model: Path, split_file: Path, out_json: Path, cfg: ExperimentCon
 
 def eval_sft_checkpoint(cfg: ExperimentConfig, paths: Paths, role: str, step: int, split: str) -> EvalResult:
     """F1 of the SFT checkpoint ``role`` at ``step`` on ``split`` (val or test)."""
-    from verl_memopd.experiment.sft import hf_export
 
     model = hf_export(paths.sft(role), step)
     out = paths.evals() / f"{role}_step{step}_{split}.json"
@@ -122,14 +122,6 @@ def stage_eval(cfg: ExperimentConfig, paths: Paths) -> None:
         teacher_handoff(cfg, paths, student, teacher)
         heldout_kl(cfg, paths, student, teacher, paths.evals() / "heldout_kl_student.json",
                    {"arm": "student", "seed": 0, "step": 0})
-
-
-def start_models(cfg: ExperimentConfig, paths: Paths) -> tuple[Path, Path]:
-    """(student, teacher) HF folders the arms start from: the chosen student checkpoint, the final teacher."""
-    from verl_memopd.experiment.sft import hf_export
-
-    step = json.loads((paths.evals() / "student_choice.json").read_text())["step"]
-    return hf_export(paths.sft("student"), step), hf_export(paths.sft("teacher"), cfg.teacher_sft.steps)
 
 
 def _diagnosed_arms(cfg: ExperimentConfig, paths: Paths) -> list[tuple[str, Path]]:

@@ -57,7 +57,7 @@ def teacher_handoff(cfg: ExperimentConfig, paths: Paths, student: Path, teacher:
               "f1_by_switch": {str(t): f1[t] for t in switches}, "wall_s": round(time.monotonic() - started, 1)}
     out.write_text(json.dumps(result, indent=1) + "\n")
     partial.unlink()
-    print(f"[experiment] eval handoff: F1 by the call the teacher takes over at: "
+    print("[experiment] eval handoff: F1 by the call the teacher takes over at: "
           + " ".join(f"{t}:{f1[t]:.3f}" for t in switches), flush=True)
     return result
 
@@ -81,8 +81,8 @@ def heldout_rollouts(cfg: ExperimentConfig, paths: Paths, student: Path):
 def heldout_kl(cfg: ExperimentConfig, paths: Paths, model_dir: Path, teacher: Path, out_json: Path,
                meta: dict) -> dict:
     """Mean per-token KL(model || teacher) on the held-out rollouts (cached in ``out_json``)."""
-    from verl_memopd.experiment.evaluate import start_models
     from verl_memopd.experiment.hf_agent import load_model, reverse_kl_on_calls
+    from verl_memopd.experiment.sft import start_models
 
     if out_json.is_file():
         return json.loads(out_json.read_text())

@@ -75,8 +75,8 @@ def _teacher_traces(cfg: ExperimentConfig, paths: Paths, run_dir: Path, seed: in
 
 def run_kd_arm(cfg: ExperimentConfig, paths: Paths, seed: int, student: Path, teacher: Path) -> None:
     """Run (or resume) the KD arm at ``seed``; writes ``DONE.json`` with the final model and its test F1."""
-    from verl_memopd.experiment.sft import hf_export, run_sft
     from verl_memopd.experiment.launching import cpu_env
+    from verl_memopd.experiment.sft import hf_export, run_sft
 
     run_dir = paths.arm(KD_ARM, seed)
     if (run_dir / "DONE.json").is_file():
@@ -110,6 +110,6 @@ def run_kd_arm(cfg: ExperimentConfig, paths: Paths, seed: int, student: Path, te
         done["test_f1"] = eval_model(final, paths.data / "test.parquet", run_dir / "test.json", cfg, paths,
                                      {"role": KD_ARM, "seed": seed, "step": sft.steps, "split": "test"})["f1"]
     (run_dir / "DONE.json").write_text(json.dumps(done) + "\n")
-    from verl_memopd.experiment.arms import prune_checkpoints
+    from verl_memopd.experiment.launching import prune_checkpoints
 
     prune_checkpoints(run_dir / "sft" / "checkpoints", keep="huggingface")

@@ -37,8 +37,8 @@ import time
 from contextlib import contextmanager
 
 from verl_memopd.experiment.config import ExperimentConfig, Paths
-from verl_memopd.experiment.runner import run_checked
 from verl_memopd.experiment.launching import cpu_env
+from verl_memopd.experiment.runner import run_checked
 
 __all__ = ["STAGES", "SHARED_STAGES", "EXPERIMENT_END", "run_pipeline"]
 

@@ -15,7 +15,6 @@ import subprocess
 import time
 from pathlib import Path
 
-
 __all__ = ["run_checked", "run_logged", "heavy", "heavy_wall_s", "attempts", "last_attempt"]
 
 

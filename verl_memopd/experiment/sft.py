@@ -19,11 +19,11 @@ import json
 import sys
 from pathlib import Path
 
-from verl_memopd.experiment.config import SftConfig
-from verl_memopd.experiment.runner import run_logged
+from verl_memopd.experiment.config import ExperimentConfig, Paths, SftConfig
 from verl_memopd.experiment.launching import parse_steps
+from verl_memopd.experiment.runner import run_logged
 
-__all__ = ["build_sft_data", "mix_traces", "sft_command", "run_sft", "fp32_export", "hf_export", "saved_steps", "sft_losses",
+__all__ = ["build_sft_data", "mix_traces", "sft_command", "run_sft", "fp32_export", "hf_export", "start_models", "saved_steps", "sft_losses",
            "finished_sft", "continuable_sft"]
 
 #: the overrides that make verl's SFT trainer run (and run fast) on CPU
@@ -163,3 +163,9 @@ def continuable_sft(run_dir: Path, cfg: SftConfig, name: str) -> dict | None:
         raise ValueError(f"{name}: {run_dir} finished {earlier['steps']} steps, more than the {cfg.steps} asked "
                          "for; a shorter run is a new run folder")
     return earlier
+
+
+def start_models(cfg: ExperimentConfig, paths: Paths) -> tuple[Path, Path]:
+    """(student, teacher) HF folders the arms start from: the chosen student checkpoint, the final teacher."""
+    step = json.loads((paths.evals() / "student_choice.json").read_text())["step"]
+    return hf_export(paths.sft("student"), step), hf_export(paths.sft("teacher"), cfg.teacher_sft.steps)

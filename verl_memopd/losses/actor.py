@@ -63,6 +63,17 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.losses import ppo_loss
 
+from verl_memopd.fields import (
+    CALL_INDEX,
+    STUDENT_HEAD,
+    STUDENT_HIDDEN,
+    STUDENT_LOGITS,
+    STUDENT_LOGITS_STREAM,
+    TEACHER_HEAD,
+    TEACHER_MASK,
+    TEACHER_NUM_TOKENS,
+    TEACHER_NUM_TOKENS_PER_CALL,
+)
 from verl_memopd.losses.chunked import Chunking, DivergenceResult, StudentLogits, divergence_loss
 from verl_memopd.losses.divergences import get_divergence
 from verl_memopd.supervision import get_transport
@@ -70,15 +81,6 @@ from verl_memopd.supervision import get_transport
 __all__ = ["OPDLossConfig", "LossInputError", "assign_global_teacher_counts", "opd_loss", "memopd_actor_loss",
            "term_grad_norms"]
 
-TEACHER_MASK = "memopd_teacher_mask"
-CALL_INDEX = "memopd_call_index"
-TEACHER_NUM_TOKENS = "memopd_teacher_num_tokens"
-TEACHER_NUM_TOKENS_PER_CALL = "memopd_teacher_num_tokens_per_call"
-STUDENT_HIDDEN = "memopd_hidden"
-STUDENT_HEAD = "memopd_lm_head_weight"
-STUDENT_LOGITS = "memopd_logits"
-STUDENT_LOGITS_STREAM = "memopd_logits_stream"
-TEACHER_HEAD = "memopd_teacher_head_weight"
 
 
 class LossInputError(ValueError):

@@ -51,6 +51,15 @@ from verl_memopd.audit import (
     stock_attention,
     summarize,
 )
+from verl_memopd.fields import (
+    RCE_FIELD,
+    RCE_FLAG,
+    RCE_TOLERANCE_FIELD,
+    RECORD_FIELDS,
+    TEACHER_HIDDEN_ALIGNED,
+    TEACHER_HIDDEN_FLAT,
+    TEACHER_OUTPUT_KEY,
+)
 from verl_memopd.trainer.config import AUDIT_ON_FAILURE
 
 __all__ = ["RCE_FLAG", "RCE_FIELD", "RCE_TOLERANCE_FIELD", "RECORD_FIELDS", "TEACHER_OUTPUT_KEY",
@@ -61,40 +70,25 @@ __all__ = ["RCE_FLAG", "RCE_FIELD", "RCE_TOLERANCE_FIELD", "RECORD_FIELDS", "TEA
 logger = logging.getLogger(__name__)
 
 
-#: non-tensor flag on the old-log-prob batch: run the RCE check in the actor engine
-RCE_FLAG = "memopd_audit_rce"
-#: per-row output of the RCE check: each call's figures, (n_calls, 5) float32 (``audit.STAT_COLUMNS``)
-RCE_FIELD = "memopd_rce_max_abs_diff"
-#: per-row output of the RCE check: each call's bound on column 0 of ``RCE_FIELD``, (n_calls,)
-RCE_TOLERANCE_FIELD = "memopd_rce_tolerance"
-#: per-row inputs of the RCE check, written on audit steps: the row's recorded calls
-#: (``audit.encode_records``: ids (T,), action (T,), lengths (C,) int64)
-RECORD_FIELDS = {"ids": "memopd_rce_record_ids", "action": "memopd_rce_record_action",
-                 "lengths": "memopd_rce_record_lengths"}
-#: non-tensor option of a teacher batch: the TransferQueue field its hidden states go to
-TEACHER_OUTPUT_KEY = "memopd_teacher_output_key"
-TEACHER_HIDDEN_FLAT = "memopd_teacher_hidden_flat"
-#: the audit pass of ``memopd.teacher.state=flat``: the supervision is flat, the audit scores the aligned rows
-TEACHER_HIDDEN_ALIGNED = "memopd_teacher_hidden_aligned"
 
 
 def record_fields(extra_fields: Sequence[dict], tags: Sequence[dict], keys: Sequence[str]) -> list[dict]:
     """Per row, its recorded calls as :data:`RECORD_FIELDS` tensors, from the agent loop's ``extra_fields``
     (``memopd_episode``: ``Episode.to_dict()``). verl's padding rows (tag ``is_padding``; they copy a real
     row's ``extra_fields``) get no calls."""
-    from verl_memopd.agent.loop import EXTRA_EPISODE
+    from verl_memopd.fields import EPISODE
 
     rows = []
     for extra, tag, key in zip(extra_fields, tags, keys):
         calls: list[CallRecord] = []
         if not tag.get("is_padding", False):
-            if not hasattr(extra, "__contains__") or EXTRA_EPISODE not in extra:  # a dict, or another mapping
-                raise RceAuditError(f"row {key}: no {EXTRA_EPISODE!r} in extra_fields; the RCE check rebuilds each "
+            if not hasattr(extra, "__contains__") or EPISODE not in extra:  # a dict, or another mapping
+                raise RceAuditError(f"row {key}: no {EPISODE!r} in extra_fields; the RCE check rebuilds each "
                                     f"call from the memory agent's invocation records")
             try:
-                calls = records_of_episode(extra[EXTRA_EPISODE]["invocations"])
+                calls = records_of_episode(extra[EPISODE]["invocations"])
             except (KeyError, TypeError, ValueError) as e:
-                raise RceAuditError(f"row {key}: {EXTRA_EPISODE} has no usable invocation records: {e}") from e
+                raise RceAuditError(f"row {key}: {EPISODE} has no usable invocation records: {e}") from e
         rows.append({RECORD_FIELDS[k]: v for k, v in encode_records(calls).items()})
     return rows
 

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from verl_memopd.fields import CALLS_ALONE, SEGMENTS
 from verl_memopd.segments import segment_meta
-
-#: per-row TransferQueue field set by the trainer for ``memopd.layout=per_call``: 1 = execute calls alone
-CALLS_ALONE = "memopd_calls_alone"
 
 Span = tuple[torch.Tensor, int, int]
 
@@ -65,5 +63,5 @@ def calls_alone(input_ids: list[torch.Tensor], position_ids: list[torch.Tensor],
     row_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     meta = segment_meta(torch.zeros_like(stream_pos), row_ids.to(stream_pos.device), stream_pos)
     inputs = {"input_ids": torch.cat(ids).unsqueeze(0), "position_ids": stream_pos.unsqueeze(0),
-              "memopd_segments": meta.to(stream_pos.device)}
+              SEGMENTS: meta.to(stream_pos.device)}
     return inputs, spans, torch.cat(index)

@@ -35,18 +35,27 @@ from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
 from verl_memopd.attention import PackedAttentionError, attention_implementation, require_packed_attention
-from verl_memopd.losses.actor import STUDENT_LOGITS_STREAM, TEACHER_MASK, assign_global_teacher_counts
+from verl_memopd.fields import (
+    CALLS_ALONE,
+    PACKED_INDEX,
+    PADDED_MASK,
+    PROMPT_GROUP,
+    RCE_FLAG,
+    SEGMENT_IDS,
+    SEGMENTS,
+    STUDENT_LOGITS,
+    STUDENT_LOGITS_STREAM,
+    TEACHER_MASK,
+    TEACHER_OUTPUT_KEY,
+)
+from verl_memopd.losses.actor import assign_global_teacher_counts
 from verl_memopd.platform.patches import patch_verl_valuehead_attention
 from verl_memopd.segments import SegmentMeta, padded_batch_segments, segment_meta
 from verl_memopd.supervision import encode_teacher_rows, get_transport
-from verl_memopd.trainer.audit import RCE_FLAG, TEACHER_OUTPUT_KEY, engine_rce_fields
-from verl_memopd.trainer.calls import CALLS_ALONE, calls_alone
-from verl_memopd.trainer.groups import PROMPT_GROUP, share_prefix
-from verl_memopd.trainer.rows import SEGMENT_IDS
+from verl_memopd.trainer.audit import engine_rce_fields
+from verl_memopd.trainer.calls import calls_alone
+from verl_memopd.trainer.groups import share_prefix
 
-STUDENT_LOGITS = "memopd_logits"
-PACKED_INDEX = "memopd_packed_index"  # output_args keys of the per_call execution (calls.py)
-PADDED_MASK = "memopd_padded_mask"
 _DEVICES = ["cuda", "npu", "cpu"]
 EXPORT_ATTENTION = "sdpa"  # what a saved actor's Hugging Face config names (any device, transformers' default)
 _BACKENDS = ["fsdp", "fsdp2"]
@@ -134,7 +143,7 @@ class _PackedRows:
         else:
             stream, what = _shared_prefix_stream(micro_batch), "memopd.share_prefix_across_group=true"
         if stream is None:
-            model_inputs["memopd_segments"] = micro_batch_segments(micro_batch, use_rmpad).to(device)
+            model_inputs[SEGMENTS] = micro_batch_segments(micro_batch, use_rmpad).to(device)
         else:
             if output_args.get("pad_size", 0):
                 raise PackedAttentionError(f"{what} does not support static sequence padding (verl's pad_to_length)")

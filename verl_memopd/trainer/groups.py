@@ -25,10 +25,8 @@ from typing import Optional
 
 import torch
 
+from verl_memopd.fields import PROMPT_GROUP, SEGMENTS
 from verl_memopd.segments import segment_meta
-
-#: per-row TransferQueue field: the row's prompt group within the step (-1 = never share its q)
-PROMPT_GROUP = "memopd_prompt_group"
 
 __all__ = ["PROMPT_GROUP", "share_prefix"]
 
@@ -97,5 +95,5 @@ def share_prefix(input_ids: list[torch.Tensor], position_ids: list[torch.Tensor]
     stream_pos = torch.cat(pos)
     meta = segment_meta(torch.cat(seg), torch.cat(tree), stream_pos)  # checks q 0..P-1, blocks from P
     inputs = {"input_ids": torch.cat(ids).unsqueeze(0), "position_ids": stream_pos.unsqueeze(0),
-              "memopd_segments": meta.to(device)}
+              SEGMENTS: meta.to(device)}
     return inputs, index

@@ -13,14 +13,19 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 
-from verl_memopd.losses.actor import (STUDENT_LOGITS_STREAM, TEACHER_HEAD, TEACHER_NUM_TOKENS, OPDLossConfig,
-                                      memopd_actor_loss)
-from verl_memopd.supervision import TEACHER_HIDDEN
-from verl_memopd.trainer.audit import TEACHER_HIDDEN_ALIGNED, TEACHER_HIDDEN_FLAT, teacher_layout_kl
+from verl_memopd.fields import (
+    STUDENT_LOGITS_STREAM,
+    TEACHER_HEAD,
+    TEACHER_HIDDEN,
+    TEACHER_HIDDEN_ALIGNED,
+    TEACHER_HIDDEN_FLAT,
+    TEACHER_NUM_TOKENS,
+)
+from verl_memopd.losses.actor import OPDLossConfig, memopd_actor_loss
+from verl_memopd.trainer.audit import teacher_layout_kl
 from verl_memopd.trainer.teacher import load_output_head
 
 

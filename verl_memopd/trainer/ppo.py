@@ -35,16 +35,9 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.debug import marked_timer
 
 from verl_memopd.agent import errors as agent_errors
+from verl_memopd.fields import RCE_FIELD, RCE_FLAG, RCE_TOLERANCE_FIELD, TEACHER_OUTPUT_KEY
 from verl_memopd.losses.actor import OPDLossConfig
-from verl_memopd.trainer.audit import (
-    RCE_FIELD,
-    RCE_FLAG,
-    RCE_TOLERANCE_FIELD,
-    TEACHER_OUTPUT_KEY,
-    put_rce_records,
-    rce_check,
-    rce_metrics,
-)
+from verl_memopd.trainer.audit import put_rce_records, rce_check, rce_metrics
 from verl_memopd.trainer.config import MemopdConfigError, from_config
 from verl_memopd.trainer.loss import MemopdActorLoss
 from verl_memopd.trainer.reward import penalise_in_place

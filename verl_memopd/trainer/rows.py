@@ -33,12 +33,7 @@ import torch
 import transfer_queue as tq
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
-from verl_memopd.agent.loop import EXTRA_EPISODE, EXTRA_POSITION_IDS, EXTRA_SEGMENT_IDS, EXTRA_TEACHER_MASK
-from verl_memopd.losses.actor import CALL_INDEX, TEACHER_MASK
-from verl_memopd.trainer.calls import CALLS_ALONE
-from verl_memopd.trainer.groups import PROMPT_GROUP
-
-SEGMENT_IDS = "memopd_segment_ids"
+from verl_memopd.fields import CALL_INDEX, CALLS_ALONE, EPISODE, POSITION_IDS, PROMPT_GROUP, SEGMENT_IDS, TEACHER_MASK
 
 
 class MemopdRowError(ValueError):
@@ -49,14 +44,14 @@ def layout_fields(prompt_len: int, response_len: int, extra: dict, layout: str, 
                   teacher_mask_policy: str = "action") -> dict:
     """The restored fields of one row (``extra``: its agent-loop ``extra_fields``) under ``layout``; the
     teacher mask restricted to the calls ``teacher_mask_policy`` names (config.TEACHER_MASK_POLICIES)."""
-    missing = [k for k in (EXTRA_POSITION_IDS, EXTRA_SEGMENT_IDS, EXTRA_TEACHER_MASK) if k not in extra]
+    missing = [k for k in (POSITION_IDS, SEGMENT_IDS, TEACHER_MASK) if k not in extra]
     if missing:
         raise MemopdRowError(f"{where}: no {missing} in extra_fields; MemOPD rows come from the memory agent "
                              f"(agent_name memopd_memory_agent) or another agent that records its episode")
     p, r = prompt_len, response_len
-    segments = torch.tensor(extra[EXTRA_SEGMENT_IDS], dtype=torch.int64)
-    positions = torch.tensor(extra[EXTRA_POSITION_IDS], dtype=torch.int64)
-    teacher_mask = torch.tensor(extra[EXTRA_TEACHER_MASK], dtype=torch.int64)
+    segments = torch.tensor(extra[SEGMENT_IDS], dtype=torch.int64)
+    positions = torch.tensor(extra[POSITION_IDS], dtype=torch.int64)
+    teacher_mask = torch.tensor(extra[TEACHER_MASK], dtype=torch.int64)
     if segments.numel() != p + r or positions.numel() != p + r or teacher_mask.numel() != r:
         raise MemopdRowError(f"{where}: layout lengths (positions {positions.numel()}, segments {segments.numel()}, "
                              f"teacher mask {teacher_mask.numel()}) do not match prompt {p} + response {r}")
@@ -97,7 +92,7 @@ def _execution(fields: dict, layout: str) -> dict:
 def sharing_metrics(rows: list[tuple[int, dict]]) -> dict[str, float]:
     """``memopd/*`` token accounting of a step: ``rows`` = (packed length P + R, extra_fields) per row."""
     packed = sum(n for n, _ in rows)
-    calls = [inv for _, extra in rows for inv in extra[EXTRA_EPISODE]["invocations"]]
+    calls = [inv for _, extra in rows for inv in extra[EPISODE]["invocations"]]
     per_call = sum(len(inv["prompt_ids"]) + len(inv["response_ids"]) for inv in calls)
     return {
         "memopd/calls_per_episode": len(calls) / len(rows),

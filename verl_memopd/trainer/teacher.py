@@ -26,8 +26,8 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, TrainingWorkerConfig
 from verl.workers.engine_workers import TrainingWorker
 
-from verl_memopd.supervision import TEACHER_HIDDEN, VocabSpec, check_vocab_agreement
-from verl_memopd.trainer.audit import TEACHER_HIDDEN_ALIGNED, TEACHER_HIDDEN_FLAT
+from verl_memopd.fields import TEACHER_HIDDEN, TEACHER_HIDDEN_ALIGNED, TEACHER_HIDDEN_FLAT
+from verl_memopd.supervision import VocabSpec, check_vocab_agreement
 from verl_memopd.trainer.config import MemopdConfig
 
 TEACHER_MODEL_TYPE = "memopd_teacher"

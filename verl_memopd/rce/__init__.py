@@ -62,10 +62,8 @@ model: the random tiny student with its q/k projections scaled, ``SELF_TEST_QK_S
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import random
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -93,7 +91,7 @@ from verl_memopd.segments import SegmentMeta, segment_meta
 __all__ = ["Tolerance", "TOLERANCES", "EpisodeShape", "random_episodes", "RceReport", "reference_logits",
            "rce_audit", "ROW_FAULTS", "BACKEND_FAULTS", "faulty_packer", "reversed_block_packer", "SpotBatch",
            "packed_spot_batch", "spot_check_rows",
-           "SelfTest", "self_test", "SELF_TEST_QK_SCALE", "sharpen_attention", "main"]
+           "SelfTest", "self_test", "SELF_TEST_QK_SCALE", "sharpen_attention"]
 
 #: ``build_layout``'s signature: the packer under audit (``rce_audit(pack=...)``).
 Packer = Callable[[str, Sequence[Episode], Optional[int]], BatchLayout]
@@ -546,52 +544,3 @@ def sharpen_attention(model: torch.nn.Module, factor: float) -> torch.nn.Module:
             if proj.bias is not None:
                 proj.bias.mul_(factor)
     return model
-
-
-def _load_model(path: Optional[str], seed: int, dtype: torch.dtype, device: str, qk_scale: float = 1.0
-                ) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    if path is not None:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    else:
-        from verl_memopd.bench.tiny import student_model
-
-        model = sharpen_attention(student_model(seed=seed), qk_scale).to(dtype)
-    return model.to(device).eval()
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m verl_memopd.rce", description=__doc__.split("\n")[0])
-    p.add_argument("--episodes", type=int, default=None, help="random episodes to audit (default 200; self-test 12)")
-    p.add_argument("--seed", type=int, default=0, help="seed of episodes and random model weights (default 0)")
-    p.add_argument("--model", default=None, help="HF model folder (default: random tiny student, verl_memopd.bench.tiny)")
-    p.add_argument("--backend", default="torch", choices=sorted(BACKENDS),
-                   help="packed attention backend (default torch)")
-    p.add_argument("--dtype", default="float32", choices=[str(d).replace("torch.", "") for d in TOLERANCES])
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--batch-episodes", type=int, default=25, help="episodes per forward (default 25)")
-    p.add_argument("--self-test", action="store_true",
-                   help="inject packer and attention-backend faults and check both audits catch each")
-    args = p.parse_args(argv)
-    model = _load_model(args.model, args.seed, getattr(torch, args.dtype), args.device,
-                        SELF_TEST_QK_SCALE if args.self_test else 1.0)
-    if args.self_test:
-        if args.model is None:
-            print(f"self-test model: the random tiny student, q/k projections x{SELF_TEST_QK_SCALE:g} "
-                  f"(SELF_TEST_QK_SCALE), {args.dtype}")
-        result = self_test(model, random_episodes(args.episodes or 12, model.config.vocab_size, args.seed),
-                           args.backend)
-        print("\n".join(result.lines()))
-        return 0 if result.ok else 1
-    episodes = random_episodes(args.episodes or 200, model.config.vocab_size, args.seed)
-    report = rce_audit(model, episodes, args.backend, args.batch_episodes)
-    print(f"rce: {report.action_tokens} action tokens, {report.dtype}, backend {report.backend}, rule "
-          f"{report.rule}: {'PASS' if report.passed else 'FAIL'}")
-    print(f"rce: {report.calls.text()}")
-    print(report.line())
-    return 0 if report.passed else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
