@@ -14,6 +14,11 @@ The data flow is the package layout, one stage per module::
                      penalty, actor loss, audits, the memopd trainer (recipe: hydra_configs/recipe/memopd.yaml)
 
     platform / patches: verl on CPU (tests and smoke runs only)
+    fields         every key the stages add to verl's data (one home)
+
+    the lab, which studies the stages and is never imported by them: bench/ (benchmarks, tiny models, the GPU
+    check) and experiment/ (the CPU experiments). Command lines (``__main__``) may use it;
+    ``tests/test_house.py`` holds the stages to the rule and to no import cycle.
 
 Importing this package has no side effects; ``verl_memopd.plugin`` is what verl's
 ``verl.plugins`` entry point loads, and it only registers things.
