@@ -9,7 +9,6 @@ __all__ = [
     "POSITION_IDS",
     "SEGMENT_IDS",
     "TEACHER_MASK",
-    "AGENT_FIELDS",
     "CALL_INDEX",
     "CALLS_ALONE",
     "PROMPT_GROUP",
@@ -45,8 +44,6 @@ POSITION_IDS = "memopd_position_ids"
 SEGMENT_IDS = "memopd_segment_ids"
 #: (R,) over the row's response: 1 where the teacher scores the token (sampled tokens), else 0 (also a row field)
 TEACHER_MASK = "memopd_teacher_mask"
-#: the keys an agent loop must return
-AGENT_FIELDS = (EPISODE, POSITION_IDS, SEGMENT_IDS, TEACHER_MASK)
 
 # -- per-row fields of the training batch (TransferQueue / TensorDict), written by ``trainer/rows.py`` -----------
 #: (R,) the call index (0-based) of each response token
