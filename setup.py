@@ -10,13 +10,33 @@ from setuptools import find_packages, setup
 
 VERL_RUNTIME = [
     # verl 0.9.1's own requirements (setup.py of verl), minus its transformers pin
-    "accelerate", "codetiming", "datasets", "dill", "hydra-core", "numpy>=2.0.0", "pandas", "peft",
-    "pyarrow>=19.0.0", "pybind11", "pylatexenc", "ray[default]>=2.41.0", "torchdata",
-    "tensordict>=0.8.0,<=0.10.0,!=0.9.0", "wandb", "packaging>=20.0", "tensorboard",
+    "accelerate",
+    "codetiming",
+    "datasets",
+    "dill",
+    "hydra-core",
+    "numpy>=2.0.0",
+    "pandas",
+    "peft",
+    "pyarrow>=19.0.0",
+    "pybind11",
+    "pylatexenc",
+    "ray[default]>=2.41.0",
+    "torchdata",
+    "tensordict>=0.8.0,<=0.10.0,!=0.9.0",
+    "wandb",
+    "packaging>=20.0",
+    "tensorboard",
     # verl-core extra: agent loop servers and the V1 trainer's TransferQueue (undeclared by verl)
-    "TransferQueue>=0.1.10", "pyzmq", "msgspec", "fastapi", "uvicorn", "cachetools",
+    "TransferQueue>=0.1.10",
+    "pyzmq",
+    "msgspec",
+    "fastapi",
+    "uvicorn",
+    "cachetools",
 ]
-TEST = ["pytest>=8", "pytest-asyncio", "pytest-timeout"]
+#: the test suite and the linter CI runs (`ruff check .`, configured in ruff.toml)
+TEST = ["pytest>=8", "pytest-asyncio", "pytest-timeout", "ruff==0.17.6"]
 #: the experiment's plot (verl_memopd/experiment/plot.py)
 PLOT = ["matplotlib"]
 #: reading a GGUF model file (verl_memopd/experiment/models.py: the pretrained SmolLM2 base; the model wheel itself,

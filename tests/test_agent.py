@@ -29,8 +29,10 @@ from verl_memopd.tasks.generator import corpus, generate, get_preset
 from verl_memopd.tasks.prompts import CALL_FIELDS, DATA_FIELDS, MemoryPrompts, format_answers
 
 EOS = "<|im_end|>"
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +44,12 @@ def tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<|endoftext|>", "<|im_start|>", EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(list(corpus(60, seed=0, presets=("tiny",))), trainer=trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token=EOS)
     hf.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
@@ -64,11 +70,22 @@ class FakeServer:
         t = len(self.requests)
         ids = list(self.script(t, list(prompt_ids), sampling_params["max_tokens"]))
         logprobs = [-0.01 * (t + 1) - 0.001 * i for i in range(len(ids))] if self.with_logprobs else None
-        self.requests.append({"request_id": request_id, "prompt_ids": list(prompt_ids),
-                              "sampling_params": dict(sampling_params), "token_ids": ids, "log_probs": logprobs})
+        self.requests.append(
+            {
+                "request_id": request_id,
+                "prompt_ids": list(prompt_ids),
+                "sampling_params": dict(sampling_params),
+                "token_ids": ids,
+                "log_probs": logprobs,
+            }
+        )
         step = 3 if t < 2 else 4  # weights were updated between calls 1 and 2 (as verl's client reports it)
-        return TokenOutput(token_ids=ids, log_probs=logprobs, stop_reason="completed",
-                           extra_fields={"min_global_steps": step, "max_global_steps": step})
+        return TokenOutput(
+            token_ids=ids,
+            log_probs=logprobs,
+            stop_reason="completed",
+            extra_fields={"min_global_steps": step, "max_global_steps": step},
+        )
 
 
 def _filler(prompt, n):
@@ -90,6 +107,7 @@ def _script(tokenizer, answers):
         if t == 2:
             return [eos]
         return tokenizer.encode(format_answers(answers)) + [eos]
+
     return script
 
 
@@ -98,11 +116,13 @@ def _row(index=3):
 
 
 def _config(**agent):
-    return OmegaConf.create({
-        "actor_rollout_ref": {"rollout": {"prompt_length": 256, "response_length": 2048, "max_model_len": None}},
-        "data": {},
-        "memopd": {"agent": {"memory_tokens": 12, "answer_tokens": 40, **agent}},
-    })
+    return OmegaConf.create(
+        {
+            "actor_rollout_ref": {"rollout": {"prompt_length": 256, "response_length": 2048, "max_model_len": None}},
+            "data": {},
+            "memopd": {"agent": {"memory_tokens": 12, "answer_tokens": 40, **agent}},
+        }
+    )
 
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
@@ -112,11 +132,25 @@ def _run(tokenizer, server, row, config=None, **run_kwargs):
     async def go():
         config_ = config if config is not None else _config()
         loop = hydra.utils.instantiate(  # exactly how verl's AgentLoopWorker builds an agent loop
-            _agent_loop_registry[AGENT_NAME], trainer_config=DictConfigWrap(config_), server_manager=server,
-            tokenizer=tokenizer, processor=None, dataset_cls=RLHFDataset, data_config=DictConfigWrap(config_.data))
-        return await loop.run(dict(SAMPLING), raw_prompt=row["prompt"], extra_info=row["extra_info"],
-                              reward_model=row["reward_model"], data_source=row["data_source"], uid="u3", index=3,
-                              **run_kwargs)
+            _agent_loop_registry[AGENT_NAME],
+            trainer_config=DictConfigWrap(config_),
+            server_manager=server,
+            tokenizer=tokenizer,
+            processor=None,
+            dataset_cls=RLHFDataset,
+            data_config=DictConfigWrap(config_.data),
+        )
+        return await loop.run(
+            dict(SAMPLING),
+            raw_prompt=row["prompt"],
+            extra_info=row["extra_info"],
+            reward_model=row["reward_model"],
+            data_source=row["data_source"],
+            uid="u3",
+            index=3,
+            **run_kwargs,
+        )
+
     return asyncio.run(go())
 
 
@@ -128,9 +162,11 @@ def episode_run(tokenizer):
     return row, server, output, Episode.from_dict(output.extra_fields[EPISODE])
 
 
-QWEN_LIKE = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
-             "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
-             "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' + (think or '') }}{% endif %}")
+QWEN_LIKE = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' + (think or '') }}{% endif %}"
+)
 BROKEN = CHATML + "{% if not add_generation_prompt %}[END]{% endif %}"
 
 
@@ -142,7 +178,9 @@ def _context(tokenizer, template, **kwargs):
 
 def test_call_context_keeps_the_templates_system_prompt_and_kwargs_in_q(tokenizer):
     ctx = _context(tokenizer, QWEN_LIKE, think="<think></think>")
-    assert tokenizer.decode(ctx.prefix_ids).startswith("<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user")
+    assert tokenizer.decode(ctx.prefix_ids).startswith(
+        "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user"
+    )
     x = ctx.memory_call([5, 6, 7], "Orin is located in Sarnia.", 0, 3)
     assert tokenizer.decode(x).endswith("<|im_start|>assistant\n<think></think>")
     assert tokenizer.decode(ctx.answer_call(())).count(MemoryPrompts().empty_memory) == 1
@@ -169,7 +207,7 @@ def test_q_is_rendered_once_and_shared_token_for_token(tokenizer, episode_run):
     q_text = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=False)
     assert list(episode.prefix_ids) == tokenizer.encode(q_text)
     assert output.prompt_ids == list(episode.prefix_ids)
-    assert all(r["prompt_ids"][:episode.prefix_len] == output.prompt_ids for r in server.requests)
+    assert all(r["prompt_ids"][: episode.prefix_len] == output.prompt_ids for r in server.requests)
 
 
 def test_calls_read_memory_ids_chunk_and_instruction(tokenizer, episode_run):
@@ -178,11 +216,11 @@ def test_calls_read_memory_ids_chunk_and_instruction(tokenizer, episode_run):
     head = tokenizer.encode(f"<|im_start|>user\n{prompts.memory_header}\n")
     for t, inv in enumerate(episode.invocations):
         ctx = list(episode.context_ids(t))
-        assert ctx[:len(head)] == head
+        assert ctx[: len(head)] == head
         previous = episode.invocations[t - 1].memory_ids if t else ()
         memory = list(previous) or tokenizer.encode(prompts.empty_memory)
-        assert ctx[len(head):len(head) + len(memory)] == memory  # the sampled ids themselves, not re-tokenized
-        text = tokenizer.decode(ctx[len(head) + len(memory):])
+        assert ctx[len(head) : len(head) + len(memory)] == memory  # the sampled ids themselves, not re-tokenized
+        text = tokenizer.decode(ctx[len(head) + len(memory) :])
         if t < len(chunks):
             assert text.startswith(f"\n\nChunk {t + 1} of {len(chunks)}:\n{chunks[t]}\n\n{prompts.write_instruction}")
         else:
@@ -233,10 +271,13 @@ def test_reward_scores_the_final_answer_text(tokenizer, episode_run):
     row, _, output, episode = episode_run
     assert output.reward_score == episode.reward == 1.0
     # the script's last memory call writes nothing (recall 0); call 1 of 3 runs into its budget
-    assert output.extra_fields["reward_extra_info"] == {"f1": 1.0, "em": 1.0, "memory_recall": 0.0,
-                                                        "memory_truncated": pytest.approx(1 / 3)}
-    wrong = _run(tokenizer, FakeServer(_script(tokenizer, ["Nowhere", row["reward_model"]["ground_truth"][1][0]])),
-                 row)
+    assert output.extra_fields["reward_extra_info"] == {
+        "f1": 1.0,
+        "em": 1.0,
+        "memory_recall": 0.0,
+        "memory_truncated": pytest.approx(1 / 3),
+    }
+    wrong = _run(tokenizer, FakeServer(_script(tokenizer, ["Nowhere", row["reward_model"]["ground_truth"][1][0]])), row)
     assert wrong.reward_score == 0.5 and wrong.extra_fields["reward_extra_info"]["em"] == 0.5
 
 
@@ -300,11 +341,14 @@ def test_malformed_row_fails_naming_the_row(tokenizer):
         _run(tokenizer, FakeServer(_script(tokenizer, ["a", "b"])), row)
 
 
-@pytest.mark.parametrize("case,error,match", [
-    ("no_logprobs", RuntimeError, "calculate_log_probs=True"),
-    ("unknown_stop", RuntimeError, "not a stop id"),
-    ("short_response_length", ValueError, "response_length >= "),
-])
+@pytest.mark.parametrize(
+    "case,error,match",
+    [
+        ("no_logprobs", RuntimeError, "calculate_log_probs=True"),
+        ("unknown_stop", RuntimeError, "not a stop id"),
+        ("short_response_length", ValueError, "response_length >= "),
+    ],
+)
 def test_rollout_problems_fail_loudly(tokenizer, case, error, match):
     row = _row()
     server = FakeServer(_script(tokenizer, ["a", "b"]), with_logprobs=case != "no_logprobs")
@@ -350,6 +394,7 @@ def test_converted_rows_make_one_memory_call_per_chunk_and_score_aliases(tokeniz
 
     def script(t, prompt, max_tokens):  # memory calls write 3 tokens; the answer call gives the second alias
         return _filler(prompt, 3) + [eos] if t < len(chunks) else tokenizer.encode(format_answers(aliases[-1:])) + [eos]
+
     server = FakeServer(script)
     output = _run(tokenizer, server, row)
     assert len(chunks) > 2 and len(server.requests) == len(chunks) + 1
@@ -390,16 +435,40 @@ def _vllm_rollout(model: str, out: str) -> None:
     from transformers import AutoTokenizer
     from verl.workers.rollout.llm_server import LLMServerManager
 
-    overrides = [f"actor_rollout_ref.rollout.{k}" for k in (
-        "max_model_len=1024", "max_num_seqs=8", "max_num_batched_tokens=1024", "prompt_length=256",
-        "response_length=2048", "load_format=auto", "nnodes=1")]  # load_format: no trainer pushes weights
-    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer/config"),
-                               version_base=None):
-        config = compose(config_name="ppo_trainer", overrides=overrides + [
-            "+profile=cpu", f"actor_rollout_ref.model.path={model}",
-            *(f"+memopd.agent.{k}={v}" for k, v in VLLM_BUDGETS.items())])
-    env = {k: os.environ[k] for k in ("VERL_PLATFORM", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE",
-                                      "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM")}
+    overrides = [
+        f"actor_rollout_ref.rollout.{k}"
+        for k in (
+            "max_model_len=1024",
+            "max_num_seqs=8",
+            "max_num_batched_tokens=1024",
+            "prompt_length=256",
+            "response_length=2048",
+            "load_format=auto",
+            "nnodes=1",
+        )
+    ]  # load_format: no trainer pushes weights
+    with initialize_config_dir(
+        config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer/config"), version_base=None
+    ):
+        config = compose(
+            config_name="ppo_trainer",
+            overrides=overrides
+            + [
+                "+profile=cpu",
+                f"actor_rollout_ref.model.path={model}",
+                *(f"+memopd.agent.{k}={v}" for k, v in VLLM_BUDGETS.items()),
+            ],
+        )
+    env = {
+        k: os.environ[k]
+        for k in (
+            "VERL_PLATFORM",
+            "VLLM_CPU_KVCACHE_SPACE",
+            "HF_HUB_OFFLINE",
+            "TRANSFORMERS_OFFLINE",
+            "TOKENIZERS_PARALLELISM",
+        )
+    }
     ray_init = {k: v for k, v in OmegaConf.to_container(config.ray_kwargs.ray_init).items() if v is not None}
     ray.init(**{**ray_init, "runtime_env": {"env_vars": env}})
     try:
@@ -416,18 +485,26 @@ def _vllm_rollout(model: str, out: str) -> None:
             server = RecordingClient(manager.get_client())
             t0 = time.perf_counter()
             outputs = asyncio.run(_episodes(tokenizer, server, rows, cfg))
-            runs[name] = {"seconds": time.perf_counter() - t0, "requests": server.requests, "stop_ids": stop_ids,
-                          "episodes": [o.extra_fields[EPISODE] for o in outputs]}
+            runs[name] = {
+                "seconds": time.perf_counter() - t0,
+                "requests": server.requests,
+                "stop_ids": stop_ids,
+                "episodes": [o.extra_fields[EPISODE] for o in outputs],
+            }
         converted = _converted_rows(tokenizer, VLLM_CONVERTED, chunk_tokens=48)  # your own data, same server
         server = RecordingClient(manager.get_client())
         outputs = asyncio.run(_episodes(tokenizer, server, converted, config))
-        runs_converted = {"rows": converted, "requests": server.requests,
-                          "episodes": [o.extra_fields[EPISODE] for o in outputs]}
+        runs_converted = {
+            "rows": converted,
+            "requests": server.requests,
+            "episodes": [o.extra_fields[EPISODE] for o in outputs],
+        }
     finally:
         ray.shutdown()
     with open(out, "w") as f:
-        json.dump({"startup_s": startup_s, "eos_id": tokenizer.eos_token_id, "runs": runs,
-                   "converted": runs_converted}, f)
+        json.dump(
+            {"startup_s": startup_s, "eos_id": tokenizer.eos_token_id, "runs": runs, "converted": runs_converted}, f
+        )
 
 
 class RecordingClient:
@@ -437,21 +514,41 @@ class RecordingClient:
         self.client, self.requests = client, []
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
-        out = await self.client.generate(request_id, prompt_ids=list(prompt_ids),
-                                         sampling_params=dict(sampling_params), **kwargs)
-        self.requests.append({"request_id": request_id, "prompt_ids": list(prompt_ids),
-                              "sampling_params": dict(sampling_params), "token_ids": list(out.token_ids),
-                              "log_probs": list(out.log_probs)})
+        out = await self.client.generate(
+            request_id, prompt_ids=list(prompt_ids), sampling_params=dict(sampling_params), **kwargs
+        )
+        self.requests.append(
+            {
+                "request_id": request_id,
+                "prompt_ids": list(prompt_ids),
+                "sampling_params": dict(sampling_params),
+                "token_ids": list(out.token_ids),
+                "log_probs": list(out.log_probs),
+            }
+        )
         return out
 
 
 async def _episodes(tokenizer, server, rows, config):
     async def one(row):
         loop = hydra.utils.instantiate(
-            _agent_loop_registry[AGENT_NAME], trainer_config=DictConfigWrap(config), server_manager=server,
-            tokenizer=tokenizer, processor=None, dataset_cls=RLHFDataset, data_config=DictConfigWrap(config.data))
-        return await loop.run(dict(SAMPLING), raw_prompt=row["prompt"], extra_info=row["extra_info"],
-                              reward_model=row["reward_model"], data_source=row["data_source"], uid=row["data_source"])
+            _agent_loop_registry[AGENT_NAME],
+            trainer_config=DictConfigWrap(config),
+            server_manager=server,
+            tokenizer=tokenizer,
+            processor=None,
+            dataset_cls=RLHFDataset,
+            data_config=DictConfigWrap(config.data),
+        )
+        return await loop.run(
+            dict(SAMPLING),
+            raw_prompt=row["prompt"],
+            extra_info=row["extra_info"],
+            reward_model=row["reward_model"],
+            data_source=row["data_source"],
+            uid=row["data_source"],
+        )
+
     return await asyncio.gather(*[one(row) for row in rows])
 
 
@@ -465,8 +562,14 @@ def vllm_runs(tiny_models, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("vllm")
     out = tmp / "runs.json"
-    proc = subprocess.run([sys.executable, __file__, str(tiny_models.student), str(out)], env=cpu_env(tmp), cwd=tmp,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(tiny_models.student), str(out)],
+        env=cpu_env(tmp),
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return str(tiny_models.student), json.loads(out.read_text())
 
@@ -516,10 +619,11 @@ def test_vllm_rollout_logprobs_are_the_models_logprobs_of_the_recorded_state(vll
     for inv in episode.invocations:
         ids = torch.tensor([inv.prompt_ids + inv.response_ids])
         with torch.no_grad():
-            logits = model(ids).logits[0, len(inv.prompt_ids) - 1:-1]
+            logits = model(ids).logits[0, len(inv.prompt_ids) - 1 : -1]
         hf = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(inv.response_ids)[:, None])[:, 0]
-        assert torch.allclose(hf, torch.tensor(inv.response_logprobs), atol=1e-3), (hf - torch.tensor(
-            inv.response_logprobs)).abs().max()
+        assert torch.allclose(hf, torch.tensor(inv.response_logprobs), atol=1e-3), (
+            (hf - torch.tensor(inv.response_logprobs)).abs().max()
+        )
 
 
 @pytest.mark.slow
@@ -553,9 +657,11 @@ def test_vllm_rollout_throughput(vllm_runs, capsys):
     sampled = sum(len(i.response_ids) for e in episodes for i in e.invocations)
     prompt = sum(len(i.prompt_ids) for e in episodes for i in e.invocations)
     with capsys.disabled():
-        print(f"\nvLLM CPU rollout (tiny preset, {len(episodes)} episodes, {len(episodes[0].invocations)} calls each): "
-              f"server start {data['startup_s']:.0f}s; {len(episodes) / run['seconds']:.2f} episodes/s, "
-              f"{sampled / run['seconds']:.0f} sampled tok/s, {prompt / run['seconds']:.0f} prompt tok/s")
+        print(
+            f"\nvLLM CPU rollout (tiny preset, {len(episodes)} episodes, {len(episodes[0].invocations)} calls each): "
+            f"server start {data['startup_s']:.0f}s; {len(episodes) / run['seconds']:.2f} episodes/s, "
+            f"{sampled / run['seconds']:.0f} sampled tok/s, {prompt / run['seconds']:.0f} prompt tok/s"
+        )
     assert sampled > 0 and all(0.0 <= e.reward <= 1.0 for e in episodes)
 
 

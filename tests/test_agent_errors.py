@@ -6,8 +6,8 @@ the agent loop records its first error (``agent.errors.record``) and the MemOPD 
 """
 
 import pytest
-
 from test_agent import FakeServer, _config, _row, _run, _script, tokenizer  # noqa: F401 (tokenizer: fixture)
+
 from verl_memopd.agent import errors as agent_errors
 
 VERL_ERROR = "Sync replay buffer selected terminal groups with no materializable trajectories."
@@ -26,15 +26,19 @@ class FailingBuffer:
 
 def test_verls_error_is_raised_again_with_the_recorded_cause():
     store = {}
-    agent_errors.record("ValueError: row 3 (val-3): packed episode needs actor_rollout_ref.rollout."
-                        "response_length >= 16418 (is 8192)", store)
+    agent_errors.record(
+        "ValueError: row 3 (val-3): packed episode needs actor_rollout_ref.rollout.response_length >= 16418 (is 8192)",
+        store,
+    )
     agent_errors.record("RuntimeError: a later error", store)  # only the first is kept
     buffer = agent_errors.surface_in(FailingBuffer(RuntimeError(VERL_ERROR)), store)
     with pytest.raises(RuntimeError) as e:
         buffer.sample(1, "train", 4)
-    assert str(e.value) == ("the memory agent loop failed: ValueError: row 3 (val-3): packed episode needs "
-                            "actor_rollout_ref.rollout.response_length >= 16418 (is 8192) (first error of this job; "
-                            f"verl: {VERL_ERROR})")
+    assert str(e.value) == (
+        "the memory agent loop failed: ValueError: row 3 (val-3): packed episode needs "
+        "actor_rollout_ref.rollout.response_length >= 16418 (is 8192) (first error of this job; "
+        f"verl: {VERL_ERROR})"
+    )
     assert isinstance(e.value.__cause__, RuntimeError)
 
 
@@ -56,6 +60,6 @@ def test_the_agent_loop_records_its_error_and_still_raises_it(tokenizer, monkeyp
     config.actor_rollout_ref.rollout.response_length = 100
     with pytest.raises(ValueError, match="response_length >= "):
         _run(tokenizer, FakeServer(_script(tokenizer, ["a", "b"])), _row(), config)
-    assert len(recorded) == 1 and recorded[0].startswith("ValueError: row 3 (val-3): packed episode needs "
-                                                         "actor_rollout_ref.rollout.response_length >= ")
-
+    assert len(recorded) == 1 and recorded[0].startswith(
+        "ValueError: row 3 (val-3): packed episode needs actor_rollout_ref.rollout.response_length >= "
+    )

@@ -6,7 +6,13 @@ import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from verl_memopd.attention import (
-    BACKENDS, PackedAttentionError, attention_implementation, call_varlen_attn, forward_layout, get_backend, hf_name,
+    BACKENDS,
+    PackedAttentionError,
+    attention_implementation,
+    call_varlen_attn,
+    forward_layout,
+    get_backend,
+    hf_name,
     register_backend,
 )
 from verl_memopd.packing import build_layout
@@ -31,8 +37,9 @@ def _random_stream(gen: torch.Generator):
     """Rows of [left padding][q][blocks...][right padding] with random lengths."""
     seg, row = [], []
     for r in range(4):
-        lengths = [int(x) for x in torch.randint(1, 7, (int(torch.randint(1, 5, (1,), generator=gen)) + 2,),
-                                                 generator=gen)]
+        lengths = [
+            int(x) for x in torch.randint(1, 7, (int(torch.randint(1, 5, (1,), generator=gen)) + 2,), generator=gen)
+        ]
         ids = [PAD_SEGMENT] + list(range(len(lengths) - 2)) + [PAD_SEGMENT]
         for s, n in zip(ids, lengths):
             seg += [s] * n
@@ -47,11 +54,15 @@ def test_torch_backend_matches_dense_masked_attention_and_gradients(seed):
     meta = segment_meta(seg, row)
     n, hq, hkv, d = seg.numel(), 4, 2, 16
     q, k, v = (torch.randn(n, h, d, generator=gen, requires_grad=True) for h in (hq, hkv, hkv))
-    out = get_backend("torch")(q, k[meta.key_index], v[meta.key_index], meta, d ** -0.5, 0.0)
+    out = get_backend("torch")(q, k[meta.key_index], v[meta.key_index], meta, d**-0.5, 0.0)
     mask = _semantic_mask(seg, row)
     assert torch.equal(meta.visibility(), mask)
-    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1),
-                                         v.repeat_interleave(2, 1).transpose(0, 1), attn_mask=mask).transpose(0, 1)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.repeat_interleave(2, 1).transpose(0, 1),
+        v.repeat_interleave(2, 1).transpose(0, 1),
+        attn_mask=mask,
+    ).transpose(0, 1)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
     weights = torch.randn(out.shape, generator=gen)
     grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
@@ -71,7 +82,7 @@ def test_torch_backend_runs_on_sdpa_fused_kernel():
     assert any(kb - ka > qb - qa for qa, qb, ka, kb in meta.bounds)  # masked (bottom-right) and square segments
     n, d = seg.numel(), 16
     q, k, v = (torch.randn(n, h, d, generator=gen, requires_grad=True) for h in (4, 2, 2))
-    args = (q, k[meta.key_index], v[meta.key_index], meta, d ** -0.5, 0.0)
+    args = (q, k[meta.key_index], v[meta.key_index], meta, d**-0.5, 0.0)
     with sdpa_kernel([SDPBackend.MATH]):
         ref = get_backend("torch")(*args)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
@@ -83,15 +94,23 @@ def test_torch_backend_runs_on_sdpa_fused_kernel():
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     return Qwen2ForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
 def episodes():
-    return random_episodes(6, VOCAB, seed=3, shape=EpisodeShape(prefix_len=(2, 12), chunk_len=(1, 8),
-                                                                 response_len=(1, 8)))
+    return random_episodes(
+        6, VOCAB, seed=3, shape=EpisodeShape(prefix_len=(2, 12), chunk_len=(1, 8), response_len=(1, 8))
+    )
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager", "flash_attention_2"])
@@ -152,7 +171,7 @@ def _dense_varlen(query, key, value, cu_q, cu_k, causal, scale, gqa):
     outs = []
     bounds = zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist())
     for qa, qb, ka, kb in bounds:
-        qs = query[qa:qb].transpose(0, 1)                                                  # (Hq, Lq, D)
+        qs = query[qa:qb].transpose(0, 1)  # (Hq, Lq, D)
         ks, vs = (x[ka:kb].repeat_interleave(groups, dim=1).transpose(0, 1) for x in (key, value))
         scores = qs @ ks.transpose(1, 2) * (query.shape[-1] ** -0.5 if scale is None else scale)
         if causal:
@@ -166,14 +185,30 @@ def varlen_attn_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_cau
     return _dense_varlen(query, key, value, cu_seq_q, cu_seq_k, is_causal, None, gqa=False)
 
 
-def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                     window_size=(-1, -1)):
+def varlen_attn_2_11(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+):
     assert window_size in ((-1, -1), (-1, 0)), window_size
     return _dense_varlen(query, key, value, cu_seq_q, cu_seq_k, window_size == (-1, 0), scale, gqa=False)
 
 
-def varlen_attn_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                     window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+def varlen_attn_2_13(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    seqused_k=None,
+    block_table=None,
+    num_splits=None,
+):
     assert window_size in ((-1, -1), (-1, 0)), window_size
     return _dense_varlen(query, key, value, cu_seq_q, cu_seq_k, window_size == (-1, 0), scale, gqa=enable_gqa)
 
@@ -230,10 +265,13 @@ def _has_flash_attn() -> bool:
     return torch.cuda.is_available()
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param("flash_attn", marks=pytest.mark.skipif(not _has_flash_attn(), reason="needs CUDA and flash-attn")),
-    pytest.param("torch_varlen", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("flash_attn", marks=pytest.mark.skipif(not _has_flash_attn(), reason="needs CUDA and flash-attn")),
+        pytest.param("torch_varlen", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    ],
+)
 def test_cuda_backend_matches_torch_reference(name):
     gen = torch.Generator().manual_seed(0)
     seg, row = _random_stream(gen)
@@ -243,8 +281,9 @@ def test_cuda_backend_matches_torch_reference(name):
     cuda_meta = meta.to("cuda")
     qc, kc, vc = (x.to("cuda", torch.bfloat16) for x in (q, k, v))
     out = get_backend(name)(qc, kc[cuda_meta.key_index], vc[cuda_meta.key_index], cuda_meta, 0.125, 0.0)
-    bf16_ref = get_backend("torch")(*(x.to(torch.bfloat16).float() for x in (q, k[meta.key_index],
-                                                                            v[meta.key_index])), meta, 0.125, 0.0)
+    bf16_ref = get_backend("torch")(
+        *(x.to(torch.bfloat16).float() for x in (q, k[meta.key_index], v[meta.key_index])), meta, 0.125, 0.0
+    )
     # budget: twice plain PyTorch's error from bf16 inputs, plus one bf16 ulp of the output's magnitude
-    budget = 2 * (bf16_ref - ref).abs().max().item() + ref.abs().max().item() * 2.0 ** -7
+    budget = 2 * (bf16_ref - ref).abs().max().item() + ref.abs().max().item() * 2.0**-7
     assert (out.float().cpu() - ref).abs().max().item() <= budget

@@ -10,8 +10,24 @@ LINE = re.compile(r"kl vocab=(\d+) tokens=(\d+) peak_mem_ratio=([\d.]+) time_rat
 
 
 def test_kl_benchmark_ends_with_the_issue_line(capsys):
-    assert bench.main(["kl", "--vocab", "3001", "--hidden", "16", "--tokens", "70", "--token-chunk", "32",
-                       "--vocab-chunk", "1000"]) == 0
+    assert (
+        bench.main(
+            [
+                "kl",
+                "--vocab",
+                "3001",
+                "--hidden",
+                "16",
+                "--tokens",
+                "70",
+                "--token-chunk",
+                "32",
+                "--vocab-chunk",
+                "1000",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     match = LINE.fullmatch(lines[-1])
     assert match, lines[-1]

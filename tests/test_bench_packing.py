@@ -8,9 +8,9 @@ import torch
 
 from verl_memopd.bench import __main__ as bench
 from verl_memopd.bench.packing import group_stream, grouped_episodes, layout_work, paired_ratio
+from verl_memopd.bench.tiny import teacher_config
 from verl_memopd.packing import build_layout
 from verl_memopd.rce import EpisodeShape, random_episodes
-from verl_memopd.bench.tiny import teacher_config
 
 CONFIG = teacher_config(vocab_size=64)
 
@@ -27,8 +27,10 @@ def test_layout_work_counts_visible_pairs(name):
 def test_ideal_is_one_without_sharing_and_above_one_with_it():
     single = random_episodes(4, 64, 1, EpisodeShape(calls=(1, 1)))
     many = random_episodes(4, 64, 1, EpisodeShape(prefix_len=(40, 60), calls=(3, 5), chunk_len=(5, 10)))
-    ratio = [layout_work(build_layout("per_call_varlen", eps), CONFIG)
-             / layout_work(build_layout("packed", eps), CONFIG) for eps in (single, many)]
+    ratio = [
+        layout_work(build_layout("per_call_varlen", eps), CONFIG) / layout_work(build_layout("packed", eps), CONFIG)
+        for eps in (single, many)
+    ]
     assert ratio[0] == pytest.approx(1.0) and ratio[1] > 1.5
 
 
@@ -49,8 +51,28 @@ def test_packing_benchmark_ends_with_the_issue_line(capsys):
 
 def test_group_shape_flags_share_q_and_keep_the_last_line(capsys):
     threads = str(torch.get_num_threads())
-    assert bench.main(["packing", "--group-size", "2", "--q-ratio", "1.5", "--calls", "2", "--episodes", "2",
-                       "--warmup", "0", "--repeats", "1", "--threads", threads]) == 0
+    assert (
+        bench.main(
+            [
+                "packing",
+                "--group-size",
+                "2",
+                "--q-ratio",
+                "1.5",
+                "--calls",
+                "2",
+                "--episodes",
+                "2",
+                "--warmup",
+                "0",
+                "--repeats",
+                "1",
+                "--threads",
+                threads,
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     assert "groups of 2 sharing q, 2.0 calls each" in lines[0] and "1.50x mean block" in lines[0]
     assert re.fullmatch(r"packing speedup_vs_per_call=\S+ ideal=\S+ efficiency=\S+", lines[-1])
@@ -64,7 +86,9 @@ def test_grouped_episodes_share_one_prompt_and_the_group_stream_stores_it_once()
     layout = build_layout("packed", eps)
     stream = group_stream(eps, layout)
     assert stream.input_ids.numel() == layout.input_ids.numel() - 2 * 10
-    assert torch.equal(stream.input_ids.reshape(-1)[stream.predictors], layout.input_ids.reshape(-1)[layout.action_index])
+    assert torch.equal(
+        stream.input_ids.reshape(-1)[stream.predictors], layout.input_ids.reshape(-1)[layout.action_index]
+    )
     assert layout_work(stream, CONFIG) < layout_work(layout, CONFIG)
 
 

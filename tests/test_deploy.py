@@ -145,8 +145,10 @@ MATCHED = {
     MAIN: ({}, set()),
     "run_baseline_flat_history.sh": ({}, {"memopd.teacher.state"}),
     "run_baseline_ppo_only.sh": ({}, {"memopd.distill.coef"}),
-    "run_memopd_multinode.sh": ({"RAY_DASHBOARD": "http://127.0.0.1:8265", "NNODES": "2"},
-                                {"trainer.nnodes", "memopd.teacher.nnodes"}),
+    "run_memopd_multinode.sh": (
+        {"RAY_DASHBOARD": "http://127.0.0.1:8265", "NNODES": "2"},
+        {"trainer.nnodes", "memopd.teacher.nnodes"},
+    ),
 }
 #: differ by design: a run's name and where it writes
 RUN_NAMING = {"trainer.experiment_name", "trainer.default_local_dir"}
@@ -155,12 +157,17 @@ COMPOSED = [*MATCHED, "quickstart_cpu.sh"]
 
 def recipe_overrides(script: str, env: dict | None = None) -> list[str]:
     """The Hydra overrides a recipe passes to verl.trainer.main_ppo (its MEMOPD_DRY_RUN=1 output)."""
-    done = subprocess.run(["bash", str(RECIPES / script)], env={**os.environ, **(env or {}), "MEMOPD_DRY_RUN": "1"},
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        ["bash", str(RECIPES / script)],
+        env={**os.environ, **(env or {}), "MEMOPD_DRY_RUN": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     args = done.stdout.splitlines()
     assert "verl.trainer.main_ppo" in args, f"{script} does not launch verl.trainer.main_ppo: {args[:8]}"
-    return args[args.index("verl.trainer.main_ppo") + 1:]
+    return args[args.index("verl.trainer.main_ppo") + 1 :]
 
 
 def compose_recipe(script: str, env: dict | None = None):
@@ -207,17 +214,29 @@ def test_recipe_composes_under_verl_config(script, tmp_path, monkeypatch):
 
 def test_multinode_script_submits_another_training_script_under_a_job_id():
     """tests/test_multinode_ray.py submits the CPU quickstart through run_memopd_multinode.sh itself."""
-    env = {**os.environ, "MEMOPD_DRY_RUN": "1", "RAY_DASHBOARD": "http://127.0.0.1:8265", "NNODES": "2",
-           "MEMOPD_JOB_ID": "memopd-1", "MEMOPD_TRAIN_SCRIPT": str(RECIPES / "quickstart_cpu.sh"),
-           "MEMOPD_JOB_ENV": "VERL_PLATFORM", "VERL_PLATFORM": "cpu"}
-    done = subprocess.run(["bash", str(RECIPES / "run_memopd_multinode.sh"), "trainer.save_freq=1"], env=env,
-                          capture_output=True, text=True, timeout=60)
+    env = {
+        **os.environ,
+        "MEMOPD_DRY_RUN": "1",
+        "RAY_DASHBOARD": "http://127.0.0.1:8265",
+        "NNODES": "2",
+        "MEMOPD_JOB_ID": "memopd-1",
+        "MEMOPD_TRAIN_SCRIPT": str(RECIPES / "quickstart_cpu.sh"),
+        "MEMOPD_JOB_ENV": "VERL_PLATFORM",
+        "VERL_PLATFORM": "cpu",
+    }
+    done = subprocess.run(
+        ["bash", str(RECIPES / "run_memopd_multinode.sh"), "trainer.save_freq=1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     args = done.stdout.splitlines()
     sep = args.index("--")
     assert args[:3] == ["ray", "job", "submit"] and args[args.index("--submission-id") + 1] == "memopd-1"
     assert args[args.index("--runtime-env-json") + 1] == '{"env_vars": {"VERL_PLATFORM": "cpu"}}'
-    train = args[sep + 1:]
+    train = args[sep + 1 :]
     assert "+profile=cpu" in train and "trainer.nnodes=2" in train and train[-1] == "trainer.save_freq=1"
 
 

@@ -18,8 +18,11 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 def _tracked_text_files() -> list[Path]:
     done = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True)
     paths = [REPO / p for p in done.stdout.decode().split("\0") if p]
-    return [p for p in paths if p.is_file() and p.suffix in {".md", ".py", ".sh", ".yaml", ".yml", ".txt", ".toml",
-                                                              ".cfg", ".json", ""}]
+    return [
+        p
+        for p in paths
+        if p.is_file() and p.suffix in {".md", ".py", ".sh", ".yaml", ".yml", ".txt", ".toml", ".cfg", ".json", ""}
+    ]
 
 
 def test_readme_keeps_the_test_command_ci_reads():
@@ -43,6 +46,10 @@ def test_relative_links_resolve_inside_the_repository(doc):
 
 def test_no_tracked_file_points_outside_the_repository():
     outside = re.compile(r"\.\./shared|/work/(shared|wt)/")
-    hits = [f"{p.relative_to(REPO)}:{n}" for p in _tracked_text_files()
-            for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if outside.search(line)]
+    hits = [
+        f"{p.relative_to(REPO)}:{n}"
+        for p in _tracked_text_files()
+        for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+        if outside.search(line)
+    ]
     assert not hits, hits

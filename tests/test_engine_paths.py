@@ -62,8 +62,9 @@ def _engine(model, autocast_dtype: torch.dtype) -> MemopdLMEngine:
     engine.use_ulysses_sp = False
     engine.ulysses_sequence_parallel_size = 1
     engine.compute_entropy_from_logits = entropy_from_logits
-    engine.engine_config = SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=False,
-                                           pad_to_length=False)
+    engine.engine_config = SimpleNamespace(
+        entropy_checkpointing=False, entropy_from_logits_with_chunking=False, pad_to_length=False
+    )
     return engine
 
 
@@ -72,16 +73,28 @@ def _rows(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Ten
     rows = []
     for ep in random_episodes(n, VOCAB, seed, SHAPE):
         row = pack_episode(ep)
-        rows.append((torch.tensor(row.prompt_ids + row.response_ids), torch.tensor(row.position_ids),
-                     torch.tensor(row.segment_ids)))
+        rows.append(
+            (
+                torch.tensor(row.prompt_ids + row.response_ids),
+                torch.tensor(row.position_ids),
+                torch.tensor(row.segment_ids),
+            )
+        )
     pad = torch.arange(7) % VOCAB
     return rows + [(pad, torch.arange(7), torch.zeros(7, dtype=torch.long))]
 
 
 def _micro_batch(rows, use_remove_padding: bool) -> TensorDict:
     jagged = lambda i: torch.nested.as_nested_tensor([r[i] for r in rows], layout=torch.jagged)  # noqa: E731
-    td = TensorDict({"input_ids": jagged(0), "position_ids": jagged(1), SEGMENT_IDS: jagged(2),
-                     "temperature": torch.ones(len(rows))}, batch_size=[len(rows)])
+    td = TensorDict(
+        {
+            "input_ids": jagged(0),
+            "position_ids": jagged(1),
+            SEGMENT_IDS: jagged(2),
+            "temperature": torch.ones(len(rows)),
+        },
+        batch_size=[len(rows)],
+    )
     tu.assign_non_tensor(td, use_remove_padding=use_remove_padding, calculate_entropy=True)
     return td
 
@@ -102,10 +115,16 @@ def _calls_alone(model, rows, autocast_dtype):
     inputs.pop(SEGMENTS)  # sdpa: every sequence its own batch row would need padding; run them one by one
     ids, pos = inputs["input_ids"][0], inputs["position_ids"][0]
     starts = torch.nonzero(pos == 0, as_tuple=True)[0].tolist() + [ids.numel()]
-    with attention_implementation(model, "sdpa"), torch.autocast("cpu", dtype=autocast_dtype,
-                                                                 enabled=autocast_dtype != torch.float32):
-        logits = torch.cat([model(input_ids=ids[None, a:b], position_ids=pos[None, a:b], use_cache=False).logits[0]
-                            for a, b in zip(starts[:-1], starts[1:])]).float()
+    with (
+        attention_implementation(model, "sdpa"),
+        torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype != torch.float32),
+    ):
+        logits = torch.cat(
+            [
+                model(input_ids=ids[None, a:b], position_ids=pos[None, a:b], use_cache=False).logits[0]
+                for a, b in zip(starts[:-1], starts[1:])
+            ]
+        ).float()
     return logits.log_softmax(-1), ids, spans, logits.abs().max().item()
 
 
@@ -118,7 +137,7 @@ def _block_logprob_diff(got: list[torch.Tensor], logp: torch.Tensor, ids: torch.
             n = block.numel() - 1
             if n <= 0:
                 continue
-            ref = logp[start:start + n].gather(-1, ids[start + 1:start + 1 + n, None])[:, 0]
+            ref = logp[start : start + n].gather(-1, ids[start + 1 : start + 1 + n, None])[:, 0]
             worst = max(worst, (row_lp[block[:n]] - ref).abs().max().item())
     return worst
 
@@ -136,8 +155,10 @@ def test_remove_padding_path_through_the_engine_equals_padded_and_calls_alone(mo
     budget = 1e-4 if dtype == torch.float32 else 2 * TOLERANCES[torch.bfloat16].bound(max_logit)
     paths = max((s - p).abs().max().item() for s, p in zip(stream_lp + stream_ent, padded_lp + padded_ent))
     alone = _block_logprob_diff(stream_lp, logp, ids, spans)
-    print(f"engine forward_step, {str(dtype)[6:]} autocast: max |stream - padded| = {paths:.3g}, "
-          f"max |log p stream - log p call alone| = {alone:.3g} (budget {budget:.3g})")
+    print(
+        f"engine forward_step, {str(dtype)[6:]} autocast: max |stream - padded| = {paths:.3g}, "
+        f"max |log p stream - log p call alone| = {alone:.3g} (budget {budget:.3g})"
+    )
     assert paths <= budget and alone <= budget
 
 

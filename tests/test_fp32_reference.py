@@ -19,11 +19,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from verl_memopd import audit
+from verl_memopd.bench.tiny import student_model
 from verl_memopd.fp32_reference import fp32_replica, sharding
 from verl_memopd.packing import pack_episode
-from verl_memopd.rce import ROW_FAULTS, SELF_TEST_QK_SCALE, EpisodeShape, random_episodes, sharpen_attention, \
-    spot_check_rows
-from verl_memopd.bench.tiny import student_model
+from verl_memopd.rce import (
+    ROW_FAULTS,
+    SELF_TEST_QK_SCALE,
+    EpisodeShape,
+    random_episodes,
+    sharpen_attention,
+    spot_check_rows,
+)
 
 VOCAB = 256
 SHAPE = EpisodeShape(prefix_len=(4, 16), chunk_len=(1, 8), response_len=(1, 8))
@@ -45,10 +51,12 @@ def _wrap(model: torch.nn.Module, kind: str, device: torch.device) -> tuple[torc
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     layer_cls = type(model.model.layers[0])
-    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}),
-                                       device_id=device,
-                                       mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=torch.float32,
-                                                                      buffer_dtype=torch.float32))
+    wrapped = FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({layer_cls}),
+        device_id=device,
+        mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=torch.float32, buffer_dtype=torch.float32),
+    )
     return wrapped, wrapped._fsdp_wrapped_module
 
 
@@ -70,15 +78,18 @@ def _local_state(module) -> dict:
 
 def _worker(rank: int, kind: str, port: int, out_dir: str, world: int, device_type: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world,
-                            timeout=timedelta(minutes=10))
+    dist.init_process_group(
+        "nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10)
+    )
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(1)
     result = {}
     try:
-        model = sharpen_attention(student_model(VOCAB, attention="torch"), SELF_TEST_QK_SCALE).to(device)  # each rank alike
+        model = sharpen_attention(student_model(VOCAB, attention="torch"), SELF_TEST_QK_SCALE).to(
+            device
+        )  # each rank alike
         rounded = copy.deepcopy(model)
         for p in rounded.parameters():
             p.data = p.data.to(torch.bfloat16).float()  # the weights as the bf16 pass sees them, fp32 arithmetic
@@ -93,11 +104,16 @@ def _worker(rank: int, kind: str, port: int, out_dir: str, world: int, device_ty
         with torch.no_grad():
             clean = spot_check_rows(module, episodes, "torch", hf_model=hf_model)
             rerun = spot_check_rows(module, episodes, "torch", hf_model=hf_model).calls.max_abs_diff
-            faulty = spot_check_rows(module, episodes, "torch", ROW_FAULTS["segment_boundary_off_by_one"],
-                                     hf_model=hf_model)
+            faulty = spot_check_rows(
+                module, episodes, "torch", ROW_FAULTS["segment_boundary_off_by_one"], hf_model=hf_model
+            )
         after = _local_state(module)
-        result.update(clean=clean.calls.__dict__, faulty=faulty.calls.__dict__, rerun=rerun,
-                      params_unchanged=all(torch.equal(before[n], after[n]) for n in before))
+        result.update(
+            clean=clean.calls.__dict__,
+            faulty=faulty.calls.__dict__,
+            rerun=rerun,
+            params_unchanged=all(torch.equal(before[n], after[n]) for n in before),
+        )
         # every rank's collectives done before any rank tears down (rank 0 hosts the store): rank 1 once aborted
         # (SIGABRT, "terminate called without an active exception") in CI, cause not reproduced here
         dist.barrier()
@@ -110,9 +126,11 @@ def _worker(rank: int, kind: str, port: int, out_dir: str, world: int, device_ty
 def _alone_calls(episodes) -> audit.AloneCalls:
     """Every call of the episodes laid out alone, as the in-training check does (``audit.record_calls``)."""
     rows = [pack_episode(ep) for ep in episodes]
-    return audit.record_calls([audit.records_of_episode(ep.invocations) for ep in episodes],
-                              [torch.tensor(r.prompt_ids + r.response_ids) for r in rows],
-                              [torch.tensor(r.response_mask) for r in rows])
+    return audit.record_calls(
+        [audit.records_of_episode(ep.invocations) for ep in episodes],
+        [torch.tensor(r.prompt_ids + r.response_ids) for r in rows],
+        [torch.tensor(r.response_mask) for r in rows],
+    )
 
 
 def _free_port() -> int:

@@ -9,8 +9,8 @@ flash-attn-only option, the distillation loss runs ``CUDA_TOKEN_CHUNK`` position
 from __future__ import annotations
 
 import pytest
-
 from test_deploy import MAIN, compose_recipe, recipe_overrides
+
 from verl_memopd.attention import BACKENDS, HF_NAMES
 from verl_memopd.losses.chunked import CUDA_TOKEN_CHUNK
 
@@ -19,8 +19,11 @@ FLASH_ONLY = ("flash_attention", "flash_attn", "memopd_fa2", "fa2")
 
 
 def _attention_of(cfg) -> tuple[str, str, str]:
-    return (cfg.actor_rollout_ref.model.override_config.attn_implementation,
-            cfg.critic.model.override_config.attn_implementation, cfg.memopd.teacher.attn_implementation)
+    return (
+        cfg.actor_rollout_ref.model.override_config.attn_implementation,
+        cfg.critic.model.override_config.attn_implementation,
+        cfg.memopd.teacher.attn_implementation,
+    )
 
 
 def test_gpu_recipe_composes_with_torch_varlen_and_names_no_flash_attn_option(tmp_path, monkeypatch):

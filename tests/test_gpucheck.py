@@ -17,11 +17,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_memopd.bench import gpucheck
 from verl_memopd.attention import get_backend
-from verl_memopd.bench.gpucheck import NO_CUDA_STATUS, OLD_DRIVER_STATUS, TRAIN_METRICS, CudaVersions, ModelShape, \
-    _no_cuda_reason, _packed_meta, attention_check, driver_check, packing_check, \
-    plain_bf16_attention, run_checks, summary_line, train_check, train_command, train_result
+from verl_memopd.bench import gpucheck
+from verl_memopd.bench.gpucheck import (
+    NO_CUDA_STATUS,
+    OLD_DRIVER_STATUS,
+    TRAIN_METRICS,
+    CudaVersions,
+    ModelShape,
+    _no_cuda_reason,
+    _packed_meta,
+    attention_check,
+    driver_check,
+    packing_check,
+    plain_bf16_attention,
+    run_checks,
+    summary_line,
+    train_check,
+    train_command,
+    train_result,
+)
 
 SMALL = ModelShape(heads=4, kv_heads=2, head_dim=32, hidden=128, intermediate=256, vocab=512)
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine-without-CUDA path")
@@ -29,16 +44,24 @@ needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the
 
 @needs_no_cuda
 def test_exits_with_distinct_status_and_says_why_without_cuda():
-    done = subprocess.run([sys.executable, "-m", "verl_memopd.bench.gpucheck"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "verl_memopd.bench.gpucheck"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == NO_CUDA_STATUS == 3, done.stdout + done.stderr
     assert "no CUDA device visible" in done.stderr and "CPU build of torch" in done.stderr
     assert "gpucheck attention" not in done.stdout
 
 
-@pytest.mark.parametrize("driver_cuda, torch_cuda, verdict", [
-    ("12.8", "13.0", OLD_DRIVER_STATUS), ("13.0", "13.0", NO_CUDA_STATUS), ("13.1", "13.0", NO_CUDA_STATUS),
-    (None, "13.0", NO_CUDA_STATUS), ("13.0", None, NO_CUDA_STATUS),
-])
+@pytest.mark.parametrize(
+    "driver_cuda, torch_cuda, verdict",
+    [
+        ("12.8", "13.0", OLD_DRIVER_STATUS),
+        ("13.0", "13.0", NO_CUDA_STATUS),
+        ("13.1", "13.0", NO_CUDA_STATUS),
+        (None, "13.0", NO_CUDA_STATUS),
+        ("13.0", None, NO_CUDA_STATUS),
+    ],
+)
 def test_driver_verdict_where_torch_sees_no_device(driver_cuda, torch_cuda, verdict, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     v = CudaVersions("2.11.0", torch_cuda, driver_cuda, "570.124.06", "libcuda")
@@ -71,12 +94,14 @@ def test_a_cpu_build_of_torch_is_no_cuda_even_if_a_device_were_seen(monkeypatch)
 
 def test_old_driver_stops_before_any_check_with_status_4(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(gpucheck, "cuda_versions",
-                        lambda: CudaVersions("2.11.0", "13.0", "12.4", "550.54.15", "nvidia-smi"))
+    monkeypatch.setattr(
+        gpucheck, "cuda_versions", lambda: CudaVersions("2.11.0", "13.0", "12.4", "550.54.15", "nvidia-smi")
+    )
     assert gpucheck.main([]) == OLD_DRIVER_STATUS == 4
     out, err = capsys.readouterr()
     assert out.splitlines() == [
-        "gpucheck driver nvidia=550.54.15 driver_cuda=12.4 source=nvidia-smi torch=2.11.0 torch_cuda=13.0 FAIL"]
+        "gpucheck driver nvidia=550.54.15 driver_cuda=12.4 source=nvidia-smi torch=2.11.0 torch_cuda=13.0 FAIL"
+    ]
     assert "supports CUDA 12.4" in err and "driver for CUDA 13" in err and "Exit status 4" in err
 
 
@@ -101,8 +126,9 @@ def test_libcuda_reads_the_version(monkeypatch):
     assert gpucheck.driver_cuda_from_libcuda() == "12.8"
 
 
-@pytest.mark.parametrize("how, message", [("missing", "libcuda.so.1 not loadable"),
-                                          ("error", "cuDriverGetVersion returned CUDA error 999")])
+@pytest.mark.parametrize(
+    "how, message", [("missing", "libcuda.so.1 not loadable"), ("error", "cuDriverGetVersion returned CUDA error 999")]
+)
 def test_libcuda_failing_is_a_lookup_error_with_why(how, message, monkeypatch):
     def cdll(name):
         if how == "missing":
@@ -150,13 +176,24 @@ def test_first_source_that_answers_wins_and_all_failing_says_why(monkeypatch):
     def fails(why):
         def read():
             raise LookupError(why)
+
         return read
 
-    monkeypatch.setattr(gpucheck, "DRIVER_CUDA_SOURCES", (("libcuda", fails("not loadable")),
-                                                          ("nvidia-smi", lambda: "13.0"), ("torch", fails("x"))))
+    monkeypatch.setattr(
+        gpucheck,
+        "DRIVER_CUDA_SOURCES",
+        (("libcuda", fails("not loadable")), ("nvidia-smi", lambda: "13.0"), ("torch", fails("x"))),
+    )
     assert gpucheck.read_driver_cuda() == ("13.0", "nvidia-smi")
-    monkeypatch.setattr(gpucheck, "DRIVER_CUDA_SOURCES", (("libcuda", lambda: None), ("nvidia-smi", fails("exit 9")),
-                                                          ("torch", fails("torch has no private driver API"))))
+    monkeypatch.setattr(
+        gpucheck,
+        "DRIVER_CUDA_SOURCES",
+        (
+            ("libcuda", lambda: None),
+            ("nvidia-smi", fails("exit 9")),
+            ("torch", fails("torch has no private driver API")),
+        ),
+    )
     version, why = gpucheck.read_driver_cuda()
     assert version is None
     assert why == "libcuda: reports no driver (version 0); nvidia-smi: exit 9; torch: torch has no private driver API"
@@ -201,7 +238,7 @@ def test_packing_check_runs():
 def _compose(cmd: list[str]):
     from hydra import compose, initialize_config_module
 
-    overrides = cmd[cmd.index("verl.trainer.main_ppo") + 1:]
+    overrides = cmd[cmd.index("verl.trainer.main_ppo") + 1 :]
     with initialize_config_module(config_module="verl.trainer.config", version_base=None):
         return compose(config_name="ppo_trainer", overrides=overrides)
 
@@ -230,13 +267,16 @@ def _step_line(step: int, **extra: float) -> str:
     return f"(TaskRunner pid=1) step:{step} - " + " - ".join(f"{k}:{v}" for k, v in metrics.items())
 
 
-@pytest.mark.parametrize("rc, lines, problem", [
-    (0, [1, 2], None),
-    (1, [1, 2], "exit=1"),
-    (0, [1], "steps=[1]"),
-    (0, [1, 2, "nan"], "non_finite=actor/memopd/reverse_kl"),
-    (0, [1, 2, "missing"], "missing=timing_s/teacher"),
-])
+@pytest.mark.parametrize(
+    "rc, lines, problem",
+    [
+        (0, [1, 2], None),
+        (1, [1, 2], "exit=1"),
+        (0, [1], "steps=[1]"),
+        (0, [1, 2, "nan"], "non_finite=actor/memopd/reverse_kl"),
+        (0, [1, 2, "missing"], "missing=timing_s/teacher"),
+    ],
+)
 def test_train_verdict(rc, lines, problem):
     log = []
     for item in lines:
@@ -256,8 +296,11 @@ def test_train_verdict(rc, lines, problem):
 def test_train_run_is_killed_at_its_timeout(tmp_path, monkeypatch):
     """A hung run (verl can hang after a worker error) ends at the timeout, its process group killed."""
     pid_file = tmp_path / "child.pid"
-    hang = (f"import subprocess, sys, time; "
-            f"c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); open({str(pid_file)!r}, 'w').write(str(c.pid)); print({_step_line(1)!r}, flush=True); time.sleep(600)")
+    hang = (
+        f"import subprocess, sys, time; "
+        f"c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(c.pid)); print({_step_line(1)!r}, flush=True); time.sleep(600)"
+    )
     monkeypatch.setattr(gpucheck, "prepare_tiny", lambda workdir: (tmp_path, tmp_path, tmp_path))
     monkeypatch.setattr(gpucheck, "train_command", lambda *a, **k: [sys.executable, "-c", hang])
     result = train_check(tmp_path, timeout_s=5)
@@ -272,22 +315,38 @@ def test_train_run_is_killed_at_its_timeout(tmp_path, monkeypatch):
 def test_absent_packages_are_skips_with_their_reason_not_failures(monkeypatch, tmp_path):
     monkeypatch.setattr(gpucheck, "missing_packages", lambda *names: list(names))  # nothing optional installed
     out = io.StringIO()
-    passed, failed, skipped = run_checks([
-        ("attention", lambda: attention_check("flash_attn", episodes=1, device="cpu", shape=SMALL)),
-        ("rce", lambda: gpucheck.rce_check(tmp_path, "flash_attn")),
-        ("packing", lambda: packing_check("flash_attn", device="cpu", shape=SMALL)),
-        ("train", lambda: train_check(tmp_path, timeout_s=5)),
-        ("driver", lambda: {"nvidia": "580.1", "driver_cuda": "13.0", "source": "libcuda", "torch": "2.11.0",
-                            "torch_cuda": "13.0", "passed": True}),
-    ], out=out)
+    passed, failed, skipped = run_checks(
+        [
+            ("attention", lambda: attention_check("flash_attn", episodes=1, device="cpu", shape=SMALL)),
+            ("rce", lambda: gpucheck.rce_check(tmp_path, "flash_attn")),
+            ("packing", lambda: packing_check("flash_attn", device="cpu", shape=SMALL)),
+            ("train", lambda: train_check(tmp_path, timeout_s=5)),
+            (
+                "driver",
+                lambda: {
+                    "nvidia": "580.1",
+                    "driver_cuda": "13.0",
+                    "source": "libcuda",
+                    "torch": "2.11.0",
+                    "torch_cuda": "13.0",
+                    "passed": True,
+                },
+            ),
+        ],
+        out=out,
+    )
     lines = out.getvalue().splitlines()
     assert (passed, failed, skipped) == (1, 0, 4)
     assert lines[0].startswith("gpucheck attention backend=flash_attn reason=flash-attn is not installed (optional")
     assert all(line.endswith(" SKIP") for line in lines[:4]) and "torch_varlen" in lines[0]
-    assert lines[3] == ("gpucheck train reason=needs verl, vllm, ray (not installed; docker/Dockerfile or bash "
-                        "docker/install.sh gpu) SKIP")
-    assert summary_line(passed, failed, 3.0, skipped) == \
-        "gpucheck summary checks=5 passed=1 failed=0 skipped=4 wall_s=3 PASS"
+    assert lines[3] == (
+        "gpucheck train reason=needs verl, vllm, ray (not installed; docker/Dockerfile or bash "
+        "docker/install.sh gpu) SKIP"
+    )
+    assert (
+        summary_line(passed, failed, 3.0, skipped)
+        == "gpucheck summary checks=5 passed=1 failed=0 skipped=4 wall_s=3 PASS"
+    )
 
 
 def test_a_check_that_raises_is_one_fail_line_and_the_rest_still_run():
@@ -296,12 +355,40 @@ def test_a_check_that_raises_is_one_fail_line_and_the_rest_still_run():
     def broken():
         raise RuntimeError("CUDA error: no kernel image is available\nmore")
 
-    kl = dict(vocab=8, tokens=2, chunk=2, peak_mem_ratio=3.0, time_ratio=1.0, ms=1.0, naive_ms=1.0, grad_err=0.0,
-              grad_bound=0.0, loss_err=0.0, loss_bound=0.0, naive_peak_gib=1.0, chunked_peak_gib=0.3, passed=False)
-    passed, failed, skipped = run_checks([("driver", lambda: {"nvidia": "580.1", "driver_cuda": "13.0", "source": "libcuda",
-                                                              "torch": "2.11.0", "torch_cuda": "13.0", "passed": True}),
-                                          ("attention", broken),
-                                          ("kl", lambda: kl)], out=out)
+    kl = dict(
+        vocab=8,
+        tokens=2,
+        chunk=2,
+        peak_mem_ratio=3.0,
+        time_ratio=1.0,
+        ms=1.0,
+        naive_ms=1.0,
+        grad_err=0.0,
+        grad_bound=0.0,
+        loss_err=0.0,
+        loss_bound=0.0,
+        naive_peak_gib=1.0,
+        chunked_peak_gib=0.3,
+        passed=False,
+    )
+    passed, failed, skipped = run_checks(
+        [
+            (
+                "driver",
+                lambda: {
+                    "nvidia": "580.1",
+                    "driver_cuda": "13.0",
+                    "source": "libcuda",
+                    "torch": "2.11.0",
+                    "torch_cuda": "13.0",
+                    "passed": True,
+                },
+            ),
+            ("attention", broken),
+            ("kl", lambda: kl),
+        ],
+        out=out,
+    )
     lines = out.getvalue().splitlines()
     assert (passed, failed, skipped) == (1, 2, 0) and len(lines) == 3
     assert lines[1] == "gpucheck attention error=RuntimeError: CUDA error: no kernel image is available FAIL"

@@ -18,8 +18,26 @@ TOKENS = {"memory_tokens": 16, "answer_tokens": 8}
 @pytest.fixture(scope="module")
 def setup(tiny_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_agent_data")
-    subprocess.run([sys.executable, "-m", "verl_memopd.tasks", "build", "--out", str(out), "--preset", "tiny",
-                    "--n-train", "4", "--n-val", "4", "--n-test", "4"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "verl_memopd.tasks",
+            "build",
+            "--out",
+            str(out),
+            "--preset",
+            "tiny",
+            "--n-train",
+            "4",
+            "--n-val",
+            "4",
+            "--n-test",
+            "4",
+        ],
+        check=True,
+        capture_output=True,
+    )
     frame = pd.read_parquet(out / "val.parquet")
     rows = [frame.iloc[i].to_dict() for i in range(len(frame))]
     return rows, load_model(tiny_models.student), load_model(tiny_models.teacher)
@@ -36,10 +54,13 @@ def test_calls_carry_the_exact_memory_ids_like_the_agent_loop(setup):
         assert len(episode.calls) == len(chunks) + 1
         memory = ()
         for t, call in enumerate(episode.calls):
-            want = ctx.prefix_ids + (ctx.memory_call(memory, chunks[t], t, len(chunks)) if t < len(chunks)
-                                     else ctx.answer_call(memory))
+            want = ctx.prefix_ids + (
+                ctx.memory_call(memory, chunks[t], t, len(chunks)) if t < len(chunks) else ctx.answer_call(memory)
+            )
             assert call.prompt_ids == want, f"call {t}"
-            assert 0 < len(call.response_ids) <= (TOKENS["memory_tokens"] if t < len(chunks) else TOKENS["answer_tokens"])
+            assert (
+                0 < len(call.response_ids) <= (TOKENS["memory_tokens"] if t < len(chunks) else TOKENS["answer_tokens"])
+            )
             memory = call.response_ids[:-1] if call.response_ids[-1] in stop else call.response_ids
         assert 0.0 <= episode.f1 <= 1.0
 
@@ -57,8 +78,10 @@ def test_handoff_ends_are_each_model_alone(setup):
     f1 = handoff_f1(rows, student, teacher, tokenizer, **TOKENS)
     n = len(rows[0]["extra_info"]["chunks"]) + 1
     assert sorted(f1) == list(range(n + 1))
-    alone = {name: sum(e.f1 for e in agent_calls(rows, [m], tokenizer, **TOKENS)) / len(rows)
-             for name, m in (("student", student), ("teacher", teacher))}
+    alone = {
+        name: sum(e.f1 for e in agent_calls(rows, [m], tokenizer, **TOKENS)) / len(rows)
+        for name, m in (("student", student), ("teacher", teacher))
+    }
     assert f1[0] == pytest.approx(alone["teacher"]) and f1[n] == pytest.approx(alone["student"])
     same = handoff_f1(rows, student, student, tokenizer, **TOKENS)
     assert len(set(same.values())) == 1  # the same model on both sides: the switch changes nothing

@@ -45,13 +45,30 @@ VERL_WIRED = {
 
 #: the stages the issue names; each must exist (a rename must update this list, not silently drop it)
 STAGES = (
-    "verl_memopd", "verl_memopd.tasks", "verl_memopd.tasks.generator", "verl_memopd.tasks.dataset",
-    "verl_memopd.tasks.convert", "verl_memopd.tasks.prompts", "verl_memopd.tasks.reward",
-    "verl_memopd.agent", "verl_memopd.agent.context", "verl_memopd.records", "verl_memopd.packing",
-    "verl_memopd.segments", "verl_memopd.attention", "verl_memopd.supervision", "verl_memopd.losses",
-    "verl_memopd.losses.chunked", "verl_memopd.losses.divergences", "verl_memopd.losses.bins",
-    "verl_memopd.rce", "verl_memopd.bench.tiny", "verl_memopd.bench", "verl_memopd.bench.kl",
-    "verl_memopd.bench.packing", "verl_memopd.bench.transport",
+    "verl_memopd",
+    "verl_memopd.tasks",
+    "verl_memopd.tasks.generator",
+    "verl_memopd.tasks.dataset",
+    "verl_memopd.tasks.convert",
+    "verl_memopd.tasks.prompts",
+    "verl_memopd.tasks.reward",
+    "verl_memopd.agent",
+    "verl_memopd.agent.context",
+    "verl_memopd.records",
+    "verl_memopd.packing",
+    "verl_memopd.segments",
+    "verl_memopd.attention",
+    "verl_memopd.supervision",
+    "verl_memopd.losses",
+    "verl_memopd.losses.chunked",
+    "verl_memopd.losses.divergences",
+    "verl_memopd.losses.bins",
+    "verl_memopd.rce",
+    "verl_memopd.bench.tiny",
+    "verl_memopd.bench",
+    "verl_memopd.bench.kl",
+    "verl_memopd.bench.packing",
+    "verl_memopd.bench.transport",
 )
 
 #: the audit maths, below the trainer that wires it in
@@ -59,8 +76,10 @@ AUDIT = ("verl_memopd.rce", "verl_memopd.audit")
 
 #: (stage module, what it imports from the verl wiring) -> why that is allowed
 LAYERING_EXCEPTIONS = {
-    ("verl_memopd.bench.packing", "verl_memopd.trainer.groups"):
-        "the bench times the group-shared prefix, which lives next to the engines that apply it (torch only)",
+    (
+        "verl_memopd.bench.packing",
+        "verl_memopd.trainer.groups",
+    ): "the bench times the group-shared prefix, which lives next to the engines that apply it (torch only)",
 }
 
 _PROBE = r'''
@@ -146,8 +165,13 @@ def pure_modules() -> list[str]:
 def imported() -> dict:
     """{module: None if it imported, else the ImportError naming the module that pulled a blocked package in}."""
     modules = pure_modules()
-    done = subprocess.run([sys.executable, "-c", _PROBE, ",".join(BLOCKED), *modules], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, ",".join(BLOCKED), *modules],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert "__preloaded__" not in results, f"loaded at interpreter start-up: {results.get('__preloaded__')}"
@@ -157,8 +181,12 @@ def imported() -> dict:
 def test_the_named_stages_are_checked():
     modules = pure_modules()
     assert not [m for m in STAGES if m not in modules], "a named stage is missing or counted as verl wiring"
-    assert not [p for p in VERL_WIRED if not (PACKAGE.parent / (p.replace(".", "/") + ".py")).exists()
-                and not (PACKAGE.parent / p.replace(".", "/")).is_dir()], "VERL_WIRED names a module that is gone"
+    assert not [
+        p
+        for p in VERL_WIRED
+        if not (PACKAGE.parent / (p.replace(".", "/") + ".py")).exists()
+        and not (PACKAGE.parent / p.replace(".", "/")).is_dir()
+    ], "VERL_WIRED names a module that is gone"
 
 
 @pytest.mark.parametrize("module", pure_modules())
@@ -172,8 +200,13 @@ def test_no_blocked_package_was_loaded(imported):
 
 def test_the_probe_names_the_module_that_pulls_verl_in():
     # the check itself: the agent loop imports omegaconf and verl, and the failure names it
-    done = subprocess.run([sys.executable, "-c", _PROBE, ",".join(BLOCKED), "verl_memopd.agent.loop",
-                           "verl_memopd.plugin"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, ",".join(BLOCKED), "verl_memopd.agent.loop", "verl_memopd.plugin"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert results["verl_memopd.agent.loop"].startswith("ImportError: verl_memopd.agent.loop imports omegaconf")
     assert results["verl_memopd.plugin"].startswith("ImportError: verl_memopd.plugin imports verl")
@@ -197,6 +230,9 @@ def _imports(module: str) -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize("module", STAGES + AUDIT)
 def test_stages_and_audit_import_nothing_of_the_verl_wiring(module):
-    bad = [f"line {line}: {name}" for line, name in _imports(module)
-           if (_wired(name) or name.partition(".")[0] in BLOCKED) and (module, name) not in LAYERING_EXCEPTIONS]
+    bad = [
+        f"line {line}: {name}"
+        for line, name in _imports(module)
+        if (_wired(name) or name.partition(".")[0] in BLOCKED) and (module, name) not in LAYERING_EXCEPTIONS
+    ]
     assert not bad, f"{module} reaches into the verl wiring (even inside a function): {bad}"

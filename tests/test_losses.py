@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from verl_memopd.losses import Chunking, StudentLogits, divergence_loss, get_divergence, naive_divergence, register_divergence
+from verl_memopd.losses import (
+    Chunking,
+    StudentLogits,
+    divergence_loss,
+    get_divergence,
+    naive_divergence,
+    register_divergence,
+)
 from verl_memopd.losses.divergences import DIVERGENCES
 from verl_memopd.supervision import HiddenTarget
 
@@ -35,7 +42,9 @@ def _naive(div, hs, ws, ht, wt, temp, weights, clamp=None):
 def test_chunked_matches_naive_values_and_gradients(name, params, chunking):
     div = get_divergence(name, **params)
     hs, ws, ht, wt, temp, weights = _case()
-    res = divergence_loss(div, StudentLogits(V, hidden=hs, head_weight=ws), HiddenTarget(ht, wt, V), weights, temp, chunking)
+    res = divergence_loss(
+        div, StudentLogits(V, hidden=hs, head_weight=ws), HiddenTarget(ht, wt, V), weights, temp, chunking
+    )
     grads = torch.autograd.grad(res.loss, (hs, ws))
     ref_loss, ref_tok = _naive(div, hs, ws, ht, wt, temp, weights)
     ref_grads = torch.autograd.grad(ref_loss, (hs, ws))
@@ -54,14 +63,21 @@ def test_dense_student_logits_match_naive(name, params):
     res = divergence_loss(div, StudentLogits(V, logits=logits), HiddenTarget(ht, wt, V), weights, temp, Chunking(6, 20))
     ref = (weights * naive_divergence(div, logits, ht @ wt.T, V, temp)).sum()
     torch.testing.assert_close(res.loss, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.autograd.grad(res.loss, logits)[0], torch.autograd.grad(ref, logits)[0], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        torch.autograd.grad(res.loss, logits)[0], torch.autograd.grad(ref, logits)[0], rtol=1e-4, atol=1e-6
+    )
 
 
 def test_diagnostics_match_naive():
     hs, ws, ht, wt, temp, weights = _case(seed=2)
     res = divergence_loss(
-        get_divergence("jsd"), StudentLogits(V, hidden=hs, head_weight=ws), HiddenTarget(ht, wt, V), weights, temp,
-        Chunking(5, 13), top_tokens=6,
+        get_divergence("jsd"),
+        StudentLogits(V, hidden=hs, head_weight=ws),
+        HiddenTarget(ht, wt, V),
+        weights,
+        temp,
+        Chunking(5, 13),
+        top_tokens=6,
     )
     zs, zt = (hs @ ws[:V].T / temp[:, None]).detach(), ht @ wt[:V].T / temp[:, None]
     rkl = naive_divergence(get_divergence("reverse_kl"), zs * temp[:, None], zt * temp[:, None], V, temp)
@@ -87,7 +103,14 @@ def test_pointwise_gradient_is_derivative_of_term(name, params):
 def test_student_equal_to_teacher_gives_zero(name, params):
     hs, ws, _, _, temp, weights = _case(seed=4)
     teacher = HiddenTarget(hs.detach().clone(), ws.detach()[:V].clone(), V)
-    res = divergence_loss(get_divergence(name, **params), StudentLogits(V, hidden=hs, head_weight=ws), teacher, weights, temp, Chunking(8, 30))
+    res = divergence_loss(
+        get_divergence(name, **params),
+        StudentLogits(V, hidden=hs, head_weight=ws),
+        teacher,
+        weights,
+        temp,
+        Chunking(8, 30),
+    )
     grads = torch.autograd.grad(res.loss, (hs, ws))
     assert res.per_token.abs().max() < 1e-5 and res.loss.abs() < 1e-5
     assert max(g.abs().max() for g in grads) < 1e-5
@@ -103,7 +126,14 @@ def test_extreme_logits_stay_finite(name, params):
     teacher_hidden = 1e4 * torch.where(torch.rand(n, V, generator=g) < 0.5, -1.0, 1.0)
     temp, weights = torch.ones(n), torch.ones(n)
     div = get_divergence(name, **params)
-    res = divergence_loss(div, StudentLogits(V, logits=logits), HiddenTarget(teacher_hidden, teacher_head, V), weights, temp, Chunking(4, 10))
+    res = divergence_loss(
+        div,
+        StudentLogits(V, logits=logits),
+        HiddenTarget(teacher_hidden, teacher_head, V),
+        weights,
+        temp,
+        Chunking(4, 10),
+    )
     (grad,) = torch.autograd.grad(res.loss, logits)
     assert torch.isfinite(res.loss) and torch.isfinite(res.per_token).all() and torch.isfinite(grad).all()
     ref = (weights * naive_divergence(div, logits, teacher_hidden, V, temp)).sum()
@@ -115,7 +145,9 @@ def test_bf16_inputs_within_budget_of_plain_pytorch():
     div = get_divergence("reverse_kl")
     hs, ws, ht, wt, temp, weights = _case(seed=8)
     hs16, ws16 = (t.detach().to(torch.bfloat16).requires_grad_() for t in (hs, ws))
-    res = divergence_loss(div, StudentLogits(V, hidden=hs16, head_weight=ws16), HiddenTarget(ht, wt, V), weights, temp, Chunking(8, 30))
+    res = divergence_loss(
+        div, StudentLogits(V, hidden=hs16, head_weight=ws16), HiddenTarget(ht, wt, V), weights, temp, Chunking(8, 30)
+    )
     grads = torch.autograd.grad(res.loss, (hs16, ws16))
     plain, _ = _naive(div, hs16, ws16, ht, wt, temp, weights)  # plain PyTorch, bf16 matmuls
     plain_grads = torch.autograd.grad(plain, (hs16, ws16))
@@ -133,7 +165,15 @@ def test_clamp_caps_value_and_stops_gradient():
     _, per_token = _naive(div, hs, ws, ht, wt, temp, weights)
     ordered = per_token.detach().sort().values
     clamp = float(ordered[A // 2 : A // 2 + 2].mean())  # between two tokens' values: no tie at the cap
-    res = divergence_loss(div, StudentLogits(V, hidden=hs, head_weight=ws), HiddenTarget(ht, wt, V), weights, temp, Chunking(8, 30), clamp=clamp)
+    res = divergence_loss(
+        div,
+        StudentLogits(V, hidden=hs, head_weight=ws),
+        HiddenTarget(ht, wt, V),
+        weights,
+        temp,
+        Chunking(8, 30),
+        clamp=clamp,
+    )
     ref, _ = _naive(div, hs, ws, ht, wt, temp, weights, clamp=clamp)
     torch.testing.assert_close(res.loss, ref, rtol=1e-5, atol=1e-5)
     got, want = torch.autograd.grad(res.loss, hs)[0], torch.autograd.grad(ref, hs)[0]
@@ -144,9 +184,17 @@ def test_clamp_caps_value_and_stops_gradient():
 def test_no_gradient_pass_without_grad_inputs():
     hs, ws, ht, wt, temp, weights = _case(seed=7)
     with torch.no_grad():
-        res = divergence_loss(get_divergence("reverse_kl"), StudentLogits(V, hidden=hs, head_weight=ws), HiddenTarget(ht, wt, V), weights, temp)
+        res = divergence_loss(
+            get_divergence("reverse_kl"),
+            StudentLogits(V, hidden=hs, head_weight=ws),
+            HiddenTarget(ht, wt, V),
+            weights,
+            temp,
+        )
     assert not res.loss.requires_grad
-    torch.testing.assert_close(res.loss, _naive(get_divergence("reverse_kl"), hs, ws, ht, wt, temp, weights)[0].detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        res.loss, _naive(get_divergence("reverse_kl"), hs, ws, ht, wt, temp, weights)[0].detach(), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_registry_errors():
@@ -161,7 +209,11 @@ def test_registry_errors():
 
 def test_bad_inputs_name_the_problem():
     hs, ws, ht, wt, temp, weights = _case()
-    student, target, div = StudentLogits(V, hidden=hs, head_weight=ws), HiddenTarget(ht, wt, V), get_divergence("reverse_kl")
+    student, target, div = (
+        StudentLogits(V, hidden=hs, head_weight=ws),
+        HiddenTarget(ht, wt, V),
+        get_divergence("reverse_kl"),
+    )
     with pytest.raises(ValueError, match="either hidden \\+ head_weight, or logits"):
         StudentLogits(V, hidden=hs)
     with pytest.raises(ValueError, match="fewer than vocab_size 200"):

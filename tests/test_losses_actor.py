@@ -73,17 +73,30 @@ def _batch(params, transport="hidden", seed=1, temperature=TEMP):
         batch_size=[len(PROMPT_LENS)],
     )
     # the teacher's final hidden states at the positions that predict the m_T tokens, in row order
-    t_hidden = torch.cat([
-        params["t_emb"][torch.cat([p, r])[len(p) - 1 + torch.nonzero(m).flatten()]]
-        for p, r, m in zip(prompts, responses, m_t)
-    ])
+    t_hidden = torch.cat(
+        [
+            params["t_emb"][torch.cat([p, r])[len(p) - 1 + torch.nonzero(m).flatten()]]
+            for p, r, m in zip(prompts, responses, m_t)
+        ]
+    )
     counts = torch.stack([m.sum() for m in m_t])
-    temps = torch.full((len(t_hidden),), temperature) if isinstance(temperature, float) else temperature.repeat_interleave(counts)
-    payload = get_transport(transport, **({"k": V} if transport == "topk" else {})).encode(t_hidden, params["t_head"], V, temps)
+    temps = (
+        torch.full((len(t_hidden),), temperature)
+        if isinstance(temperature, float)
+        else temperature.repeat_interleave(counts)
+    )
+    payload = get_transport(transport, **({"k": V} if transport == "topk" else {})).encode(
+        t_hidden, params["t_head"], V, temps
+    )
     for key, value in nest_payload(payload, counts).items():
         td[key] = value
-    tu.assign_non_tensor(td, temperature=temperature, dp_size=1, batch_num_tokens=int(td["loss_mask"].values().sum()),
-                         global_batch_size=None)
+    tu.assign_non_tensor(
+        td,
+        temperature=temperature,
+        dp_size=1,
+        batch_num_tokens=int(td["loss_mask"].values().sum()),
+        global_batch_size=None,
+    )
     assign_global_teacher_counts(td)
     return td
 
@@ -147,7 +160,9 @@ def _hand_reference(params, data):
         ppo = ppo + pg[m_act].sum()
         ent = ent + (-(logp.exp() * logp).sum(-1))[m_act].sum()
         t_logits = params["t_emb"][pred] @ params["t_head"].T
-        opd = opd + naive_divergence(div, logits[m_t] * TEMP, t_logits[m_t], V, torch.full((int(m_t.sum()),), TEMP)).sum()
+        opd = (
+            opd + naive_divergence(div, logits[m_t] * TEMP, t_logits[m_t], V, torch.full((int(m_t.sum()),), TEMP)).sum()
+        )
         n_act, n_t = n_act + int(m_act.sum()), n_t + int(m_t.sum())
     return ppo / n_act - ENTROPY_COEFF * ent / n_act + COEF * opd / n_t
 
@@ -156,7 +171,9 @@ def _hand_reference(params, data):
 def test_combined_loss_matches_hand_computed_reference():
     params = _params()
     data = _batch(params)
-    loss, grads, _ = _run(params, [data], OPDLossConfig(vocab_size=V, coef=COEF, token_chunk_size=4, vocab_chunk_size=11))
+    loss, grads, _ = _run(
+        params, [data], OPDLossConfig(vocab_size=V, coef=COEF, token_chunk_size=4, vocab_chunk_size=11)
+    )
     ref = _hand_reference(params, data)
     ref_grads = torch.autograd.grad(ref, (params["emb"], params["head"]))
     torch.testing.assert_close(torch.tensor(loss), ref.detach(), rtol=1e-5, atol=1e-6)
@@ -207,7 +224,9 @@ def test_metrics_are_global_means():
         pred = torch.cat([p, r])[len(p) - 1 : -1]
         m_t = data["memopd_teacher_mask"][b].bool()
         s, t = params["emb"][pred][m_t] @ params["head"].T, params["t_emb"][pred][m_t] @ params["t_head"].T
-        rkl.append(naive_divergence(get_divergence("reverse_kl"), s, t, V, torch.full((int(m_t.sum()),), TEMP)).detach())
+        rkl.append(
+            naive_divergence(get_divergence("reverse_kl"), s, t, V, torch.full((int(m_t.sum()),), TEMP)).detach()
+        )
         calls.append(data["memopd_call_index"][b][m_t])
     rkl, calls = torch.cat(rkl), torch.cat(calls)
     assert metrics["memopd/reverse_kl"] == pytest.approx(float(rkl.mean()), rel=1e-5)
@@ -225,7 +244,9 @@ def test_topk_transport_at_k_equal_v_and_per_sample_temperature():
     temps = torch.tensor([0.7, 1.0, 1.3, 0.9, 1.1, 0.8])
     opd = OPDLossConfig(vocab_size=V, coef=COEF, token_chunk_size=6)
     hidden = _run(params, [_batch(params, temperature=temps)], opd)
-    topk = _run(params, [_batch(params, "topk", temperature=temps)], OPDLossConfig(vocab_size=V, coef=COEF, transport="topk"))
+    topk = _run(
+        params, [_batch(params, "topk", temperature=temps)], OPDLossConfig(vocab_size=V, coef=COEF, transport="topk")
+    )
     assert topk[0] == pytest.approx(hidden[0], rel=1e-5)
     for k in hidden[1]:
         torch.testing.assert_close(topk[1][k], hidden[1][k], rtol=1e-4, atol=1e-6)
@@ -235,7 +256,9 @@ def test_coef_zero_is_ppo_only_and_reads_no_teacher_fields():
     params = _params()
     data = _batch(params)
     bare = data.exclude("memopd_teacher_mask", "memopd_teacher_hidden")
-    loss, _ = memopd_actor_loss(_actor_config(), OPDLossConfig(vocab_size=V, coef=0.0), _model_output(params, bare), bare)
+    loss, _ = memopd_actor_loss(
+        _actor_config(), OPDLossConfig(vocab_size=V, coef=0.0), _model_output(params, bare), bare
+    )
     want, _ = ppo_loss(_actor_config(), _model_output(params, data), data)
     torch.testing.assert_close(loss, want)
 
@@ -244,7 +267,9 @@ def test_a_mini_batch_of_verl_padding_rows_only_is_ppo_only():
     params = _params()
     data = _batch(params)
     padding = data.clone()  # verl's synthetic rows: no action tokens, hence no teacher tokens, on any rank
-    padding["response_mask"] = padding["loss_mask"] = _nested([torch.zeros_like(m) for m in data["response_mask"].unbind()])
+    padding["response_mask"] = padding["loss_mask"] = _nested(
+        [torch.zeros_like(m) for m in data["response_mask"].unbind()]
+    )
     padding["memopd_teacher_mask"] = _nested([torch.zeros_like(m) for m in data["memopd_teacher_mask"].unbind()])
     tu.assign_non_tensor(padding, batch_num_tokens=0, memopd_teacher_num_tokens=0)
     loss, metrics = _call(params, padding)
@@ -344,7 +369,9 @@ def test_term_grad_norms_equal_separate_backward_passes():
         want = torch.autograd.grad(term, stream, retain_graph=True)[0].norm()
         got = torch.as_tensor(Metric.aggregate_dp([metrics[f"memopd/grad_norm_logits/{name}"]]))
         torch.testing.assert_close(got.float(), want)
-    assert Metric.aggregate_dp([metrics["memopd/grad_norm_logits/ppo"]]) != Metric.aggregate_dp([metrics["memopd/grad_norm_logits/opd"]])
+    assert Metric.aggregate_dp([metrics["memopd/grad_norm_logits/ppo"]]) != Metric.aggregate_dp(
+        [metrics["memopd/grad_norm_logits/opd"]]
+    )
     _, plain = memopd_actor_loss(_actor_config(), opd, _model_output(params, data), data, grad_norms=True)
     assert not any(k.startswith("memopd/grad_norm_logits") for k in plain)  # no stream: nothing reported
 

@@ -30,8 +30,16 @@ def _case(seed=0, dtype=torch.float32):
 
 def _run(div, case, chunking, clamp=None):
     hs, ws, ht, wt, temp, weights = case
-    res = divergence_loss(div, StudentLogits(V, hidden=hs, head_weight=ws), HiddenTarget(ht, wt, V), weights, temp,
-                          chunking, clamp=clamp, top_tokens=5)
+    res = divergence_loss(
+        div,
+        StudentLogits(V, hidden=hs, head_weight=ws),
+        HiddenTarget(ht, wt, V),
+        weights,
+        temp,
+        chunking,
+        clamp=clamp,
+        top_tokens=5,
+    )
     grads = torch.autograd.grad(res.loss, (hs, ws))
     return res, grads
 
@@ -63,7 +71,9 @@ def test_fast_path_in_bf16_is_as_close_to_exact_as_the_general_kernel(name, para
     div, case = get_divergence(name, **params), _case(seed=2, dtype=torch.bfloat16)
     hs, ws, ht, wt, temp, weights = case
     exact_inputs = [t.detach().float().requires_grad_() for t in (hs, ws)]
-    exact = (weights * naive_divergence(div, exact_inputs[0] @ exact_inputs[1].T, ht.float() @ wt.float().T, V, temp)).sum()
+    exact = (
+        weights * naive_divergence(div, exact_inputs[0] @ exact_inputs[1].T, ht.float() @ wt.float().T, V, temp)
+    ).sum()
     exact_grads = torch.autograd.grad(exact, exact_inputs)
     fast, fast_grads = _run(div, case, Chunking(8, None))
     general, general_grads = _run(div, case, Chunking(8, V))
@@ -84,13 +94,21 @@ def test_closed_form_row_terms_equal_the_generic_derivation(name, params, grad_d
     generic = Divergence.row_terms(div, a.clone(), b.clone(), grad_dtype)
     assert closed.grad.dtype == generic.grad.dtype == grad_dtype
     for field in ("value", "grad", "reverse_kl", "forward_kl"):
-        torch.testing.assert_close(getattr(closed, field).float(), getattr(generic, field).float(), rtol=1e-5,
-                                   atol=1e-6 if grad_dtype == torch.float32 else 1e-2)
+        torch.testing.assert_close(
+            getattr(closed, field).float(),
+            getattr(generic, field).float(),
+            rtol=1e-5,
+            atol=1e-6 if grad_dtype == torch.float32 else 1e-2,
+        )
     # the gradient is the derivative of D through the softmax: check against autograd
     z = a.clone().requires_grad_()
     value = div.reference(torch.log_softmax(z, -1), b).sum()
-    torch.testing.assert_close(closed.grad.float(), torch.autograd.grad(value, z)[0],
-                               rtol=1e-4, atol=1e-6 if grad_dtype == torch.float32 else 1e-2)
+    torch.testing.assert_close(
+        closed.grad.float(),
+        torch.autograd.grad(value, z)[0],
+        rtol=1e-4,
+        atol=1e-6 if grad_dtype == torch.float32 else 1e-2,
+    )
 
 
 @pytest.mark.parametrize("chunking", [Chunking(7, None), Chunking(7, V)])
@@ -100,8 +118,9 @@ def test_without_top_mass_the_loss_and_gradients_are_unchanged(chunking):
     div, case = get_divergence("reverse_kl"), _case(seed=3)
     hs, ws, ht, wt, temp, weights = case
     with_top, grads = _run(div, case, chunking)
-    without = divergence_loss(div, StudentLogits(V, hidden=hs, head_weight=ws), HiddenTarget(ht, wt, V), weights,
-                              temp, chunking, top_tokens=0)
+    without = divergence_loss(
+        div, StudentLogits(V, hidden=hs, head_weight=ws), HiddenTarget(ht, wt, V), weights, temp, chunking, top_tokens=0
+    )
     for got, want in zip(torch.autograd.grad(without.loss, (hs, ws)), grads):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     for field in ("per_token", "reverse_kl", "forward_kl"):

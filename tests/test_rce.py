@@ -44,8 +44,9 @@ def _action_loss(model, layout, weights):
 @pytest.mark.parametrize("seed", [2, 3])
 def test_packed_gradients_equal_per_call_gradients(model, seed):
     episodes = random_episodes(5, VOCAB, seed, SHAPE)
-    weights = torch.rand(build_layout("per_call", episodes).action_index.numel(),
-                         generator=torch.Generator().manual_seed(seed))
+    weights = torch.rand(
+        build_layout("per_call", episodes).action_index.numel(), generator=torch.Generator().manual_seed(seed)
+    )
     grads = {}
     for name, impl in (("per_call", "sdpa"), ("packed", hf_name("torch")), ("flat", "sdpa")):
         model.zero_grad()
@@ -70,8 +71,12 @@ def test_perturbing_a_call_does_not_move_the_next_calls_logits(model):
     response = torch.randint(VOCAB, (len(old.response_ids),), generator=gen).tolist()
     new = dataclasses.replace(old, prompt_ids=episode.prefix_ids + tuple(context), response_ids=tuple(response))
     assert new.prompt_ids != old.prompt_ids and new.response_ids != old.response_ids
-    perturbed = Episode(episode.episode_id, episode.uid, episode.prefix_ids,
-                        episode.invocations[:t] + (new,) + episode.invocations[t + 1:])
+    perturbed = Episode(
+        episode.episode_id,
+        episode.uid,
+        episode.prefix_ids,
+        episode.invocations[:t] + (new,) + episode.invocations[t + 1 :],
+    )
 
     def call_logits(name, impl, ep):
         layout = build_layout(name, [ep], VOCAB)
@@ -148,12 +153,16 @@ def test_self_test_detects_every_fault_with_both_audits_and_leaves_no_backend_be
     assert result.offline["clean"].calls.worst_ratio < 0.5 and result.in_training["clean"].calls.worst_ratio < 0.5
     if dtype == torch.bfloat16:  # the noise-floor rule ran: an fp32 reference, a positive floor
         assert result.offline["clean"].calls.noise_floor > 0 and result.in_training["clean"].calls.noise_floor > 0
-    leftovers = [n for n in BACKENDS if n.startswith("selftest_")] + \
-        [n for n in AttentionInterface._global_mapping if "selftest_" in n]
+    leftovers = [n for n in BACKENDS if n.startswith("selftest_")] + [
+        n for n in AttentionInterface._global_mapping if "selftest_" in n
+    ]
     assert not leftovers and not [n for n in HF_NAMES.values() if "selftest_" in n]
     name = str(dtype).replace("torch.", "")
-    assert re.fullmatch(rf"RCE self-test dtype={name} faults=7 detected_offline=7 detected_in_training=7 "
-                        rf"clean_pass=1", result.lines()[-1])
+    assert re.fullmatch(
+        rf"RCE self-test dtype={name} faults=7 detected_offline=7 detected_in_training=7 "
+        rf"clean_pass=1",
+        result.lines()[-1],
+    )
     assert model.get_input_embeddings().weight.dtype == dtype  # the fp32 reference put the weights back
 
 
@@ -171,8 +180,10 @@ def test_at_default_init_bf16_rounding_hides_the_position_fault_and_the_rule_say
 
 def test_cli_self_test_prints_the_contract_line(capsys, monkeypatch):
     assert rce_cli(["--self-test", "--episodes", "4", "--seed", "1"]) == 0
-    assert capsys.readouterr().out.strip().splitlines()[-1] == \
-        "RCE self-test dtype=float32 faults=7 detected_offline=7 detected_in_training=7 clean_pass=1"
+    assert (
+        capsys.readouterr().out.strip().splitlines()[-1]
+        == "RCE self-test dtype=float32 faults=7 detected_offline=7 detected_in_training=7 clean_pass=1"
+    )
     monkeypatch.setitem(rce.TOLERANCES, torch.float32, rce.Tolerance(atol=1e-12, rtol=0.0))  # both audits too strict
     assert rce_cli(["--self-test", "--episodes", "4", "--seed", "1"]) == 1
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith("clean_pass=0")
@@ -187,8 +198,11 @@ def test_packer_faults_keep_the_rows_self_consistent():
         row = pack_episode(ep)
         faulty = rce.ROW_FAULTS["segment_boundary_off_by_one"](row)
         assert faulty.prompt_ids + faulty.response_ids == row.prompt_ids + row.response_ids
-        segment_meta(torch.tensor(faulty.segment_ids), torch.zeros(len(faulty.segment_ids), dtype=torch.long),
-                     torch.tensor(faulty.position_ids))  # consistent: no LayoutError
+        segment_meta(
+            torch.tensor(faulty.segment_ids),
+            torch.zeros(len(faulty.segment_ids), dtype=torch.long),
+            torch.tensor(faulty.position_ids),
+        )  # consistent: no LayoutError
         moved += sum(a != b for a, b in zip(row.segment_ids, faulty.segment_ids))
     assert moved > 0
 
@@ -198,14 +212,15 @@ def test_noise_floor_rule_is_k_times_the_floor_plus_eps_per_call():
     call's largest reference logit; fp32 calls on |packed - alone| against 1e-4 + 2^-15 of the call's largest
     logit; a bad call is infinite."""
     rule = audit.NOISE_FLOOR_RULES[torch.bfloat16]
-    assert (rule.k, rule.eps_ulps, rule.unit) == (3.0, 4.0, 2.0 ** -8)
+    assert (rule.k, rule.eps_ulps, rule.unit) == (3.0, 4.0, 2.0**-8)
     ref = torch.tensor([[1.0, -2.0, 0.5], [0.25, 0.0, 4.0]])
     alone = ref + torch.tensor([[0.01, 0.0, 0.0], [0.0, 0.002, 0.0]])
     packed = ref + torch.tensor([[0.0, 0.02, 0.0], [0.0, 0.0, 0.05]])
     tokens = audit.token_stats(packed, alone, ref)
-    stats, bound = audit.per_call_stats(tokens, torch.tensor([0, 1]), 3, torch.bfloat16,
-                                        torch.tensor([False, False, True]))
-    torch.testing.assert_close(bound[:2], torch.tensor([3 * 0.01 + 4 * 2 ** -8 * 2.0, 3 * 0.002 + 4 * 2 ** -8 * 4.0]))
+    stats, bound = audit.per_call_stats(
+        tokens, torch.tensor([0, 1]), 3, torch.bfloat16, torch.tensor([False, False, True])
+    )
+    torch.testing.assert_close(bound[:2], torch.tensor([3 * 0.01 + 4 * 2**-8 * 2.0, 3 * 0.002 + 4 * 2**-8 * 4.0]))
     torch.testing.assert_close(stats[:2, 0], torch.tensor([0.02, 0.05]))  # audited: packed vs the fp32 reference
     torch.testing.assert_close(stats[:2, 2], torch.tensor([0.01, 0.002]))  # the noise floor
     assert stats[2, 0] == float("inf") and stats[2, 4] == 1.0  # bad call; no tokens: top-1 agreement 1
@@ -214,7 +229,7 @@ def test_noise_floor_rule_is_k_times_the_floor_plus_eps_per_call():
     tight = audit.per_call_stats(tokens, torch.tensor([0, 1]), 2, torch.bfloat16)[1] * 0.3
     assert audit.summarize([stats[:2]], [tight]).failed == 2
     fp32, tol = audit.per_call_stats(audit.token_stats(packed, alone, None), torch.tensor([0, 1]), 2, torch.float32)
-    torch.testing.assert_close(tol, 1e-4 + 2 ** -15 * torch.tensor([2.01, 4.0]))  # max |alone| per call
+    torch.testing.assert_close(tol, 1e-4 + 2**-15 * torch.tensor([2.01, 4.0]))  # max |alone| per call
     assert torch.isnan(fp32[:, 2]).all()
     torch.testing.assert_close(fp32[:, 0], torch.tensor([0.02, 0.05]))  # audited: packed vs alone
 

@@ -65,7 +65,9 @@ def test_topk_converges_to_exact_and_equals_it_at_k_equal_v(name):
     errors = []
     for k in (1, 4, 16, 40, V):
         res, grads = _via(get_transport("topk", k=k, token_chunk_size=7), hs, ws, ht, wt, temp, weights, div)
-        errors.append(float((res.per_token - naive_divergence(div, hs @ ws.T, ht @ wt.T, V, temp).detach()).abs().sum()))
+        errors.append(
+            float((res.per_token - naive_divergence(div, hs @ ws.T, ht @ wt.T, V, temp).detach()).abs().sum())
+        )
         if name != "jsd":  # coarse-graining never increases a KL (data-processing inequality)
             assert float(res.loss) <= float(loss) + 1e-4
     assert errors == sorted(errors, reverse=True) and errors[0] > 100 * max(errors[-1], 1e-6)
@@ -93,7 +95,9 @@ def test_padded_head_rows_are_excluded_on_both_sides():
         ws[V:] = 50.0
         wt[V:] = -50.0
     padded = divergence_loss(div, StudentLogits(V, hidden=hs, head_weight=ws), HiddenTarget(ht, wt, V), weights, temp)
-    trimmed = divergence_loss(div, StudentLogits(V, hidden=hs, head_weight=ws[:V]), HiddenTarget(ht, wt[:V], V), weights, temp)
+    trimmed = divergence_loss(
+        div, StudentLogits(V, hidden=hs, head_weight=ws[:V]), HiddenTarget(ht, wt[:V], V), weights, temp
+    )
     torch.testing.assert_close(padded.per_token, trimmed.per_token)
     torch.testing.assert_close(padded.loss, _exact(hs, ws, ht, wt, temp, weights, div)[0], rtol=1e-5, atol=1e-5)
 
@@ -174,7 +178,9 @@ def test_vocab_agreement_allows_different_head_padding():
 )
 def test_vocab_mismatch_names_the_field(field, teacher_kwargs):
     student = VocabSpec("student", 100, 128, (7,), 0)
-    teacher = VocabSpec(**{**dict(name="teacher", vocab_size=100, head_rows=128, eos_token_ids=(7,), pad_token_id=0), **teacher_kwargs})
+    teacher = VocabSpec(
+        **{**dict(name="teacher", vocab_size=100, head_rows=128, eos_token_ids=(7,), pad_token_id=0), **teacher_kwargs}
+    )
     with pytest.raises(SupervisionError, match=field):
         check_vocab_agreement(student, teacher)
 
@@ -189,8 +195,12 @@ def test_vocab_spec_validation_and_hf_reading():
     spec = VocabSpec.from_hf("student", tok, SimpleNamespace(vocab_size=128), SimpleNamespace(eos_token_id=[7, 9]))
     assert dataclasses.replace(spec, vocab_digest=None) == VocabSpec("student", 100, 128, (7, 9), 0)
     swapped = {**vocab, "t1": 2, "t2": 1}  # same size, same special ids, different tokens
-    other = VocabSpec.from_hf("teacher", _Tok(n=100, eos_token_id=7, pad_token_id=0, get_vocab=lambda: swapped),
-                              SimpleNamespace(vocab_size=128), SimpleNamespace(eos_token_id=[7, 9]))
+    other = VocabSpec.from_hf(
+        "teacher",
+        _Tok(n=100, eos_token_id=7, pad_token_id=0, get_vocab=lambda: swapped),
+        SimpleNamespace(vocab_size=128),
+        SimpleNamespace(eos_token_id=[7, 9]),
+    )
     with pytest.raises(SupervisionError, match="vocab_digest: the tokenizers map tokens to different ids"):
         check_vocab_agreement(spec, other)
     assert check_vocab_agreement(spec, dataclasses.replace(other, vocab_digest=spec.vocab_digest)) == 100

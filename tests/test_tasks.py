@@ -10,10 +10,21 @@ from verl_memopd.tasks.dataset import AGENT_NAME, parse_row, read_rows, to_row, 
 from verl_memopd.tasks.generator import HORIZONS, PRESETS, TaskConfig, corpus, generate, get_preset
 from verl_memopd.tasks.oracle import run_oracle
 from verl_memopd.tasks.prompts import MemoryPrompts, format_answers, parse_answers
-from verl_memopd.tasks.reward import (answer_recall, compute_score, exact_match, normalize_answer, score_answers,
-                                     token_f1)
+from verl_memopd.tasks.reward import (
+    answer_recall,
+    compute_score,
+    exact_match,
+    normalize_answer,
+    score_answers,
+    token_f1,
+)
 from verl_memopd.tasks.world import (
-    QUESTION_KINDS, RELATIONS, get_vocabulary, looks_alike, parse_fact, parse_question,
+    QUESTION_KINDS,
+    RELATIONS,
+    get_vocabulary,
+    looks_alike,
+    parse_fact,
+    parse_question,
 )
 
 TINY = get_preset("tiny").config
@@ -48,10 +59,16 @@ def test_corpus_is_identical_across_processes_and_hash_seeds():
     import subprocess
     import sys
 
-    code = ("import hashlib; from verl_memopd.tasks.generator import corpus; "
-            "print(hashlib.sha256(''.join(corpus(8, 0, presets=('tiny', 'small'))).encode()).hexdigest())")
-    digests = {subprocess.run([sys.executable, "-c", code], env={"PYTHONHASHSEED": seed}, capture_output=True,
-                              text=True, check=True).stdout for seed in ("1", "2")}
+    code = (
+        "import hashlib; from verl_memopd.tasks.generator import corpus; "
+        "print(hashlib.sha256(''.join(corpus(8, 0, presets=('tiny', 'small'))).encode()).hexdigest())"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", code], env={"PYTHONHASHSEED": seed}, capture_output=True, text=True, check=True
+        ).stdout
+        for seed in ("1", "2")
+    }
     assert len(digests) == 1
 
 
@@ -99,7 +116,12 @@ def test_knob_support_chunks_keeps_the_answer_facts_early():
     cfg = replace(TINY, n_chunks=8, support_chunks=2, distractor_rate=2.0)
     tasks = [generate(cfg, 0, "train", i) for i in range(40)]
     assert all(_support_chunk(t) <= 1 for t in tasks)
-    distractor_chunks = {c for t in tasks for c, chunk in enumerate(t.chunks) if c >= 2 and any(parse_fact(x) is not None for x in _sentences(chunk))}
+    distractor_chunks = {
+        c
+        for t in tasks
+        for c, chunk in enumerate(t.chunks)
+        if c >= 2 and any(parse_fact(x) is not None for x in _sentences(chunk))
+    }
     assert len(distractor_chunks) > 3  # distractors still spread over the later chunks
     assert max(_support_chunk(generate(replace(cfg, support_chunks=None), 0, "train", i)) for i in range(40)) > 1
 
@@ -209,8 +231,7 @@ def test_parse_answers_and_compute_score():
     assert parse_answers(format_answers(["Velora", "Zentek Labs"]), 2) == ["Velora", "Zentek Labs"]
     assert parse_answers("2) Orin\nnoise\n1. Velora\n3: ignored", 2) == ["Velora", "Orin"]
     assert parse_answers("1: Orin\n1: Velora", 2) == ["Velora", ""]  # last line wins; missing -> ""
-    out = compute_score("memopd_memory/tiny", "1: Orin\n2: Sarnia\n1: Velora", [["Velora"], ["Sarnia"]],
-                        {"index": 4})
+    out = compute_score("memopd_memory/tiny", "1: Orin\n2: Sarnia\n1: Velora", [["Velora"], ["Sarnia"]], {"index": 4})
     assert out == {"score": 1.0, "f1": 1.0, "em": 1.0}
     with pytest.raises(ValueError, match=r"row 4 .*question 2 has no answers"):
         compute_score("memopd_memory/tiny", "1: x", [["x"], []], {"index": 4})
@@ -248,15 +269,18 @@ def _row():
     return to_row(generate(TINY, 0, "train", 7), "tiny", "train", 7)
 
 
-@pytest.mark.parametrize("mutate,match", [
-    (lambda r: r["reward_model"].pop("ground_truth"), "ground_truth is missing"),
-    (lambda r: r["reward_model"]["ground_truth"].__setitem__(1, []), "question 2 has no answers"),
-    (lambda r: r["reward_model"]["ground_truth"].__setitem__(0, [" "]), "question 1 has an empty"),
-    (lambda r: r["extra_info"]["chunks"].__setitem__(1, "  "), r"chunks\[1\] is empty"),
-    (lambda r: r["extra_info"].__setitem__("chunks", []), "chunks is empty"),
-    (lambda r: r["extra_info"]["questions"].pop(), "1 questions but 2 answer sets"),
-    (lambda r: r["extra_info"].pop("questions"), "questions must be a list"),
-])
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda r: r["reward_model"].pop("ground_truth"), "ground_truth is missing"),
+        (lambda r: r["reward_model"]["ground_truth"].__setitem__(1, []), "question 2 has no answers"),
+        (lambda r: r["reward_model"]["ground_truth"].__setitem__(0, [" "]), "question 1 has an empty"),
+        (lambda r: r["extra_info"]["chunks"].__setitem__(1, "  "), r"chunks\[1\] is empty"),
+        (lambda r: r["extra_info"].__setitem__("chunks", []), "chunks is empty"),
+        (lambda r: r["extra_info"]["questions"].pop(), "1 questions but 2 answer sets"),
+        (lambda r: r["extra_info"].pop("questions"), "questions must be a list"),
+    ],
+)
 def test_malformed_rows_fail_naming_the_row(mutate, match):
     row = _row()
     mutate(row)
@@ -275,8 +299,23 @@ def test_rows_round_trip_through_parquet(tmp_path):
 
 # --- CLI ------------------------------------------------------------------------------------
 def test_cli_build_then_oracle(tmp_path, capsys):
-    cli.main(["build", "--out", str(tmp_path), "--seed", "0", "--preset", "small",
-              "--n-train", "4", "--n-val", "3", "--n-test", "2"])
+    cli.main(
+        [
+            "build",
+            "--out",
+            str(tmp_path),
+            "--seed",
+            "0",
+            "--preset",
+            "small",
+            "--n-train",
+            "4",
+            "--n-val",
+            "3",
+            "--n-test",
+            "2",
+        ]
+    )
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == f"built preset=small seed=0 train=4 val=3 test=2 out={tmp_path}"
     assert [len(read_rows(tmp_path / f"{s}.parquet")) for s in ("train", "val", "test")] == [4, 3, 2]

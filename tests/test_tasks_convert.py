@@ -8,13 +8,27 @@ import json
 import re
 
 import pytest
-
 from fixtures.longqa import (
-    DOCS, context, memagent_eval_records, memagent_train_records, picks, plain_records, ruler_records, write_jsonl,
+    DOCS,
+    context,
+    memagent_eval_records,
+    memagent_train_records,
+    picks,
+    plain_records,
+    ruler_records,
+    write_jsonl,
 )
+
 from verl_memopd.tasks import __main__ as cli
 from verl_memopd.tasks.convert import (
-    REFUSALS, SOURCE_PREFIX, chunk_text, convert_records, extract, join_documents, read_records, split_units,
+    REFUSALS,
+    SOURCE_PREFIX,
+    chunk_text,
+    convert_records,
+    extract,
+    join_documents,
+    read_records,
+    split_units,
 )
 from verl_memopd.tasks.dataset import AGENT_NAME, parse_row, read_rows, write_rows
 from verl_memopd.tasks.prompts import MemoryPrompts
@@ -46,11 +60,14 @@ def _write(records, path):
     return path
 
 
-@pytest.mark.parametrize("layout,make,name,question_doc", [
-    ("eval json (convert_to_eval.py)", memagent_eval_records, "eval_50.json", -1),
-    ("RULER jsonl (ruler_data_prepare.py)", ruler_records, "ruler.jsonl", 1),
-    ("training parquet (processing.py)", memagent_train_records, "hotpotqa_train.parquet", 0),
-])
+@pytest.mark.parametrize(
+    "layout,make,name,question_doc",
+    [
+        ("eval json (convert_to_eval.py)", memagent_eval_records, "eval_50.json", -1),
+        ("RULER jsonl (ruler_data_prepare.py)", ruler_records, "ruler.jsonl", 1),
+        ("training parquet (processing.py)", memagent_train_records, "hotpotqa_train.parquet", 0),
+    ],
+)
 def test_memagent_layouts_convert_as_memagent_writes_them(tmp_path, tokenizer, layout, make, name, question_doc):
     records = make(4)
     path = _write(records, tmp_path / name)
@@ -91,8 +108,10 @@ def test_format_option_restricts_the_field_names(tokenizer):
         extract(plain, "memagent")
     assert extract(memagent, "auto") == extract(memagent, "memagent")
     assert extract(plain, "auto") == extract(plain, "jsonl")
-    with pytest.raises(KeyError, match="valid: \\['auto', 'dataset_process', 'hotpotqa', 'jsonl', 'longbench_v2', "
-                                       "'memagent', 'ruler'\\]"):
+    with pytest.raises(
+        KeyError,
+        match="valid: \\['auto', 'dataset_process', 'hotpotqa', 'jsonl', 'longbench_v2', 'memagent', 'ruler'\\]",
+    ):
         extract(plain, "csv")
 
 
@@ -120,7 +139,7 @@ def test_chunks_fit_the_models_tokenizer_and_are_packed_greedily(tokenizer, max_
     start = 0
     for chunk in chunks:  # each chunk is whole units, and the longest run of them that fits
         end = next(e for e in range(start + 1, len(units) + 1) if "".join(units[start:e]).strip() == chunk)
-        assert end == len(units) or _n(tokenizer, "".join(units[start:end + 1]).strip()) > max_tokens
+        assert end == len(units) or _n(tokenizer, "".join(units[start : end + 1]).strip()) > max_tokens
         start = end
     assert start == len(units) and (max_tokens < 200 or len(chunks) < len(units) / 4)
 
@@ -147,8 +166,11 @@ BAD = [
     ("bad_record", "not json", "expected a JSON object"),
     ("missing_field", {"question": "q", "answers": ["a"]}, r"no context \(context\)"),
     ("missing_field", {**GOOD, "answers": None}, "no answers"),
-    ("missing_field", {"context": "x.", "prompt": [{"role": "system", "content": "s"}], "answers": ["a"]},
-     "prompt has no user message"),
+    (
+        "missing_field",
+        {"context": "x.", "prompt": [{"role": "system", "content": "s"}], "answers": ["a"]},
+        "prompt has no user message",
+    ),
     ("non_string", {**GOOD, "context": 42}, "context must be a string or a list"),
     ("non_string", {**GOOD, "context": ["fine", {"text": "x"}]}, r"document 2 of the context is not a string \(dict"),
     ("non_string", {**GOOD, "question": ["ok?", 7]}, r"question 2 \(question\) is not a string"),
@@ -163,8 +185,12 @@ BAD = [
     ("extra_answers", {**GOOD, "question": ["a?"], "answers": ["x", "y"]}, "2 answer lists in answers for 1"),
     ("needs_corpus", {**GOOD, "context": [3, 1]}, r"list of 2 document indices .* pass --corpus FILE"),
     ("bad_answer_mode", {**GOOD, "answer_mode": "some"}, r"answer_mode 'some': expected one of \('any', 'all'\)"),
-    ("bad_choice", {**GOOD, "choice_A": "x", "choice_B": "y", "answer": "C"}, r"answer 'C' is not one of the "
-                                                                              r"letters .*\['A', 'B'\]"),
+    (
+        "bad_choice",
+        {**GOOD, "choice_A": "x", "choice_B": "y", "answer": "C"},
+        r"answer 'C' is not one of the "
+        r"letters .*\['A', 'B'\]",
+    ),
     ("too_many_chunks", {**GOOD, "context": "One. " * 40}, "more than 4 chunks of <= 8 tokens .*cutting stopped at 5"),
 ]
 
@@ -178,8 +204,9 @@ def test_bad_rows_are_refused_with_row_and_reason(tokenizer, kind, record, match
     result = convert_records([GOOD, record, GOOD], tokenizer, 8, max_chunks=4)
     assert len(result.rows) == 2 and [r["extra_info"]["source_row"] for r in result.rows] == [0, 2]
     [refusal] = result.refusals
-    assert (refusal.index, refusal.kind, refusal.where) == (1, kind, "row 1") and re.search(match, refusal.message), \
+    assert (refusal.index, refusal.kind, refusal.where) == (1, kind, "row 1") and re.search(match, refusal.message), (
         refusal.message
+    )
     assert f"refused row 1: {kind}: " in "\n".join(result.summary(8))
 
 
@@ -192,14 +219,25 @@ def _cli(capsys, *args):
 def test_cli_convert_summary_last_line_and_rows(tmp_path, capsys, tiny_models, tokenizer):
     records = memagent_eval_records(5) + ["{broken", {"context": "x.", "input": "q"}]
     path = write_jsonl(records, tmp_path / "mixed.jsonl")
-    rc, out = _cli(capsys, path, "--out", tmp_path / "out", "--tokenizer", tiny_models.student, "--chunk-tokens", 64,
-                   "--split", "val", "--task", "Read and remember.")
+    rc, out = _cli(
+        capsys,
+        path,
+        "--out",
+        tmp_path / "out",
+        "--tokenizer",
+        tiny_models.student,
+        "--chunk-tokens",
+        64,
+        "--split",
+        "val",
+        "--task",
+        "Read and remember.",
+    )
     rows = read_rows(tmp_path / "out" / "val.parquet")
     chunks = [_n(tokenizer, c) for r in rows for c in r["extra_info"]["chunks"]]
     counts = [len(r["extra_info"]["chunks"]) for r in rows]
     assert rc == 0 and len(rows) == 5
-    assert out[-1] == (f"converted rows=5 refused=2 chunks_mean={sum(counts) / 5:.2f} "
-                       f"chunk_tokens_max={max(chunks)}")
+    assert out[-1] == (f"converted rows=5 refused=2 chunks_mean={sum(counts) / 5:.2f} chunk_tokens_max={max(chunks)}")
     assert "refused mixed.jsonl line 6: bad_record: expected a JSON object, got str '{broken'" in out
     assert any(line.startswith("refused mixed.jsonl line 7: missing_field: no answers") for line in out)
     assert f"chunks per episode: min {min(counts)} mean {sum(counts) / 5:.2f} max {max(counts)}" in out
@@ -231,4 +269,7 @@ def test_readme_example_records_convert(tmp_path, tokenizer):
     result = convert_records(records, tokenizer, 16)
     assert len(records) == 3 and not result.refusals
     assert [r["reward_model"]["ground_truth"] for r in result.rows] == [
-        [["Velora", "Velora town"]], [["seven", "7"], ["salt and timber"]], [["salt and timber", "timber and salt"]]]
+        [["Velora", "Velora town"]],
+        [["seven", "7"], ["salt and timber"]],
+        [["salt and timber", "timber and salt"]],
+    ]

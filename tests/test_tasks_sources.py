@@ -11,8 +11,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from fixtures import sources as src
+
 from verl_memopd.tasks import __main__ as cli
 from verl_memopd.tasks.convert import Options, chunk_text, convert_records, extract, split_units
 from verl_memopd.tasks.dataset import parse_row, read_rows
@@ -61,11 +61,18 @@ def test_multi_value_row_scores_as_ruler_does_not_as_aliases():
     assert compute_score("memopd_convert/x", response, values, {"index": 0})["score"] == 0.5  # aliases: F1 vs one
 
 
-@pytest.mark.parametrize("name,template,mode", [
-    ("nvidia_ruler_niah_multivalue.jsonl", "niah", "all"), ("memagent_ruler_niah_multivalue.json", "niah", "all"),
-    ("nvidia_ruler_vt.jsonl", "variable_tracking", "all"), ("nvidia_ruler_cwe.jsonl", "common_words_extraction", "all"),
-    ("nvidia_ruler_qa.jsonl", "qa", "any"), ("longbench.jsonl", None, "any"), ("hotpotqa_distractor.json", None, "any"),
-])
+@pytest.mark.parametrize(
+    "name,template,mode",
+    [
+        ("nvidia_ruler_niah_multivalue.jsonl", "niah", "all"),
+        ("memagent_ruler_niah_multivalue.json", "niah", "all"),
+        ("nvidia_ruler_vt.jsonl", "variable_tracking", "all"),
+        ("nvidia_ruler_cwe.jsonl", "common_words_extraction", "all"),
+        ("nvidia_ruler_qa.jsonl", "qa", "any"),
+        ("longbench.jsonl", None, "any"),
+        ("hotpotqa_distractor.json", None, "any"),
+    ],
+)
 def test_answer_mode_is_detected_from_the_source(name, template, mode):
     record = _one(name)
     assert (record.template, record.answer_modes) == (template, (mode,))
@@ -75,10 +82,28 @@ def test_answer_mode_is_detected_from_the_source(name, template, mode):
 
 def test_answer_modes_reach_the_rows_and_the_agents_gate(tmp_path, capsys, tiny_models):
     plain = tmp_path / "mine.jsonl"
-    plain.write_text(json.dumps({"context": "A. B.", "question": ["Q1?", "Q2?"], "answers": [["x", "y"], ["u", "v"]],
-                                 "answer_mode": ["any", "all"]}) + "\n")
-    rc, out = _cli(capsys, FIX / "nvidia_ruler_niah_multivalue.jsonl", plain, "--out", tmp_path / "o",
-                   "--tokenizer", tiny_models.student, "--chunk-tokens", 64)
+    plain.write_text(
+        json.dumps(
+            {
+                "context": "A. B.",
+                "question": ["Q1?", "Q2?"],
+                "answers": [["x", "y"], ["u", "v"]],
+                "answer_mode": ["any", "all"],
+            }
+        )
+        + "\n"
+    )
+    rc, out = _cli(
+        capsys,
+        FIX / "nvidia_ruler_niah_multivalue.jsonl",
+        plain,
+        "--out",
+        tmp_path / "o",
+        "--tokenizer",
+        tiny_models.student,
+        "--chunk-tokens",
+        64,
+    )
     rows = read_rows(tmp_path / "o" / "train.parquet")
     assert rc == 0 and [r["extra_info"]["answer_modes"] for r in rows] == [["all"], ["any", "all"]]
     assert "answer modes: any=1 (aliases, max over them) all=2 (values, share found)" in out
@@ -93,14 +118,18 @@ def test_ruler_instructions_are_stripped_from_the_question_or_kept_on_request():
     assert _one("nvidia_ruler_niah_multivalue.jsonl").questions == (src.NIAH_Q,)
     assert _one("memagent_ruler_niah_multivalue.json").questions == (src.NIAH_Q,)
     assert _one("nvidia_ruler_qa.jsonl").questions == (src.DOCS[2][2],)
-    assert _one("nvidia_ruler_vt.jsonl").questions == ("Find all variables that are assigned the value 64319 in the "
-                                                       "text above.",)
+    assert _one("nvidia_ruler_vt.jsonl").questions == (
+        "Find all variables that are assigned the value 64319 in the text above.",
+    )
     assert _one("nvidia_ruler_cwe.jsonl").questions == ("What are the 2 most common words in the above list?",)
     assert _one("memagent_ruler_qa_indices.json", options=Options(corpus=tuple(src.corpus_order()))).questions == (
-        src.DOCS[1][2],)
+        src.DOCS[1][2],
+    )
     kept = _one("nvidia_ruler_niah_multivalue.jsonl", options=Options(keep_instructions=True)).questions[0]
-    assert kept.startswith("Some special magic numbers are hidden within the following text. Make sure to memorize "
-                           "it. I will quiz you about the numbers afterwards.") and kept.endswith(src.NIAH_Q)
+    assert kept.startswith(
+        "Some special magic numbers are hidden within the following text. Make sure to memorize "
+        "it. I will quiz you about the numbers afterwards."
+    ) and kept.endswith(src.NIAH_Q)
     assert "4417021" not in kept  # the documents are never part of the question
 
 
@@ -112,10 +141,15 @@ def test_nvidia_ruler_documents_come_out_of_input():
 
 
 def test_an_unknown_ruler_template_keeps_the_input_whole():
-    record = extract({"index": 3, "input": "Name the capital.", "context": "Paris is the capital.",
-                      "outputs": ["Paris"]})
+    record = extract(
+        {"index": 3, "input": "Name the capital.", "context": "Paris is the capital.", "outputs": ["Paris"]}
+    )
     assert (record.questions, record.template, record.answer_modes, record.layout) == (
-        ("Name the capital.",), "unknown", ("any",), "ruler")
+        ("Name the capital.",),
+        "unknown",
+        ("any",),
+        "ruler",
+    )
 
 
 # --- 3. formats -----------------------------------------------------------------------------
@@ -124,15 +158,23 @@ def test_hotpotqa_json_pairs_and_parquet_struct_become_documents():
     expected = src._memagent_context(src.DOCS)  # "title\n" + "".join(sentences), MemAgent's read_hotpotqa
     assert pairs.context == struct.context == expected
     assert (pairs.questions, pairs.answer_sets, pairs.source_id) == (
-        (src.DOCS[1][2],), (("Mara Tovin",),), "5a8b57f25542995d1e6f1371")
+        (src.DOCS[1][2],),
+        (("Mara Tovin",),),
+        "5a8b57f25542995d1e6f1371",
+    )
     assert (struct.layout, struct.source_id, struct.answer_sets) == (
-        "hotpotqa", "5a8c7595554299585d9e36b6", (("seven",),))
+        "hotpotqa",
+        "5a8c7595554299585d9e36b6",
+        (("seven",),),
+    )
 
 
 def test_longbench_v2_options_go_into_the_question_and_the_gold_is_the_option_text():
     record = _one("longbench_v2.json")
-    assert record.questions == ("What do barges on the Lusk carry? Options: (A) Coal and iron; (B) Salt and timber; "
-                                "(C) Fish; (D) Nothing. Answer with the text of the correct option.",)
+    assert record.questions == (
+        "What do barges on the Lusk carry? Options: (A) Coal and iron; (B) Salt and timber; "
+        "(C) Fish; (D) Nothing. Answer with the text of the correct option.",
+    )
     assert record.answer_sets == (("Salt and timber",),) and record.source_id == "66f36490821e116aacb2cc22"
     assert score_answers(["Salt and timber"], record.answer_sets).f1 == 1.0
 
@@ -160,21 +202,37 @@ def test_dataset_process_rows_and_longbench_and_memagent_files():
 
 
 def test_a_refused_layout_names_the_fields_the_record_has_and_answer_is_read():
-    with pytest.raises(ValueError, match=r"missing_field: no context \(context\), no question \(question \| input \| "
-                                         r"extra_info.question \| prompt\) \[--format auto\]; the record has "
-                                         r"fields \['answers', 'prompt_text'\]: rename them"):
+    with pytest.raises(
+        ValueError,
+        match=r"missing_field: no context \(context\), no question \(question \| input \| "
+        r"extra_info.question \| prompt\) \[--format auto\]; the record has "
+        r"fields \['answers', 'prompt_text'\]: rename them",
+    ):
         extract({"prompt_text": "q", "answers": ["a"]})
     plain = extract({"question": "q?", "answer": "Velora", "context": "plain text"})  # `answer`: one string
     assert (plain.layout, plain.answer_sets) == ("jsonl", (("Velora",),))
 
 
 def test_several_files_in_one_call_keep_their_names_and_ids(tmp_path, capsys, tiny_models):
-    rc, out = _cli(capsys, FIX / "longbench.jsonl", FIX / "hotpotqa.parquet", "--out", tmp_path,
-                   "--tokenizer", tiny_models.student, "--chunk-tokens", 48)
+    rc, out = _cli(
+        capsys,
+        FIX / "longbench.jsonl",
+        FIX / "hotpotqa.parquet",
+        "--out",
+        tmp_path,
+        "--tokenizer",
+        tiny_models.student,
+        "--chunk-tokens",
+        48,
+    )
     rows = read_rows(tmp_path / "train.parquet")
-    assert rc == 0 and [(r["data_source"], r["extra_info"]["source_row"], r["extra_info"]["source_id"]) for r in rows] \
-        == [("memopd_convert/longbench", 0, "lb-hotpot-0001"), ("memopd_convert/longbench", 1, "lb-mfqa-zh-0001"),
-            ("memopd_convert/hotpotqa", 0, "5a8c7595554299585d9e36b6")]
+    assert rc == 0 and [
+        (r["data_source"], r["extra_info"]["source_row"], r["extra_info"]["source_id"]) for r in rows
+    ] == [
+        ("memopd_convert/longbench", 0, "lb-hotpot-0001"),
+        ("memopd_convert/longbench", 1, "lb-mfqa-zh-0001"),
+        ("memopd_convert/hotpotqa", 0, "5a8c7595554299585d9e36b6"),
+    ]
     assert [r["extra_info"]["index"] for r in rows] == [0, 1, 2] and out[-1].startswith("converted rows=3 refused=0 ")
 
 
@@ -193,31 +251,42 @@ def test_the_kind_of_a_file_is_read_from_its_content(tmp_path, capsys, tiny_mode
     shutil.copy(FIX / "longbench.jsonl", tmp_path / "jsonl_named.parquet")
     (tmp_path / "zipped.jsonl.gz").write_bytes(gzip.compress((FIX / "longbench.jsonl").read_bytes()))
     (tmp_path / "zipped_parquet.gz").write_bytes(gzip.compress((FIX / "hotpotqa.parquet").read_bytes()))
-    for name, n in (("parquet_named.jsonl", 1), ("jsonl_named.parquet", 2), ("zipped.jsonl.gz", 2),
-                    ("zipped_parquet.gz", 1)):
+    for name, n in (
+        ("parquet_named.jsonl", 1),
+        ("jsonl_named.parquet", 2),
+        ("zipped.jsonl.gz", 2),
+        ("zipped_parquet.gz", 1),
+    ):
         located = read_located(tmp_path / name)
         assert len(located) == n and extract(located[0].value).questions, name
     assert read_located(tmp_path / "zipped.jsonl.gz")[1].where == "zipped.jsonl.gz line 2"
     (tmp_path / "data.csv").write_text("context,question,answers\nsome text,q?,a\n")
     (tmp_path / "bin.dat").write_bytes(b"\x00\xff\xfe garbage")
-    with pytest.raises(InputError, match=r"data.csv: does not parse as JSON \(line 1 column 1: Expecting value\) nor "
-                                         r"as JSON lines .*accepted: JSON lines, a JSON array"):
+    with pytest.raises(
+        InputError,
+        match=r"data.csv: does not parse as JSON \(line 1 column 1: Expecting value\) nor "
+        r"as JSON lines .*accepted: JSON lines, a JSON array",
+    ):
         read_located(tmp_path / "data.csv")
     with pytest.raises(InputError, match=r"bin.dat: not UTF-8 text \(byte 1"):
         read_located(tmp_path / "bin.dat")
-    rc, out = _cli(capsys, tmp_path / "data.csv", "--out", tmp_path / "o", "--tokenizer", tiny_models.student,
-                   "--chunk-tokens", 32)
+    rc, out = _cli(
+        capsys, tmp_path / "data.csv", "--out", tmp_path / "o", "--tokenizer", tiny_models.student, "--chunk-tokens", 32
+    )
     assert rc == 2 and len(out) == 1 and out[0].startswith(f"error: {tmp_path / 'data.csv'}: does not parse as JSON")
 
 
 def test_a_cut_off_json_array_is_one_error_with_its_position(tmp_path):
     text = json.dumps(src.memagent_eval(), indent=4)
-    cut = text[:len(text) // 2]
+    cut = text[: len(text) // 2]
     (tmp_path / "cut.json").write_text(cut)
     with pytest.raises(InputError) as e:
         read_located(tmp_path / "cut.json")
-    assert re.fullmatch(rf".*cut.json: a JSON array that does not parse: line {cut.count(chr(10)) + 1} column \d+: .* "
-                        r"\(the file ends before the array does: cut off\?\)", str(e.value))
+    assert re.fullmatch(
+        rf".*cut.json: a JSON array that does not parse: line {cut.count(chr(10)) + 1} column \d+: .* "
+        r"\(the file ends before the array does: cut off\?\)",
+        str(e.value),
+    )
     (tmp_path / "obj.json").write_text(json.dumps(src.memagent_eval()[0], indent=4)[:-40])
     with pytest.raises(InputError, match="obj.json: does not parse as JSON .* nor as JSON lines"):
         read_located(tmp_path / "obj.json")
@@ -243,16 +312,25 @@ def test_an_existing_output_is_refused_unless_overwrite_and_never_left_stale(tmp
     out_file = tmp_path / "o" / "train.parquet"
     before = out_file.read_bytes()
     rc, out = _cli(capsys, FIX / "memagent_eval.json", *common)
-    assert rc == 1 and out_file.read_bytes() == before and out == [
-        f"{out_file} already exists (2 rows): nothing converted; pass --overwrite to replace it, or choose another "
-        "--out / --split"]
+    assert (
+        rc == 1
+        and out_file.read_bytes() == before
+        and out
+        == [
+            f"{out_file} already exists (2 rows): nothing converted; pass --overwrite to replace it, or choose another "
+            "--out / --split"
+        ]
+    )
     rc, out = _cli(capsys, FIX / "memagent_eval.json", *common, "--overwrite")
     assert rc == 0 and [r["extra_info"]["source_file"] for r in read_rows(out_file)] == ["memagent_eval"] * 2
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(src.memagent_eval()[0]) + "\n" + json.dumps({"context": "x"}) + "\n")
     rc, out = _cli(capsys, bad, *common, "--overwrite", "--strict")
-    assert rc == 1 and not out_file.exists() and f"removed the old {out_file} (--overwrite): it no longer matches " \
-                                                 f"the input" in out
+    assert (
+        rc == 1
+        and not out_file.exists()
+        and f"removed the old {out_file} (--overwrite): it no longer matches the input" in out
+    )
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == []  # no temporary file left behind
 
 
@@ -265,9 +343,12 @@ def test_a_huge_context_is_announced_and_max_chunks_stops_cutting(tokenizer, mon
     record = {"context": "The harbour was quiet. " * 200, "question": "q?", "answers": ["a"]}
     heard = []
     result = convert_records([record], tokenizer, 16, on_warning=heard.append)
-    assert len(heard) == 1 and re.fullmatch(r"warning: row 0: a context of 0.00 M characters, about \d+ chunks of 16 "
-                                            r"tokens = \d+ memory calls per episode; cutting it takes a while; "
-                                            r"--max-chunks M would refuse rows with more than M chunks .*", heard[0])
+    assert len(heard) == 1 and re.fullmatch(
+        r"warning: row 0: a context of 0.00 M characters, about \d+ chunks of 16 "
+        r"tokens = \d+ memory calls per episode; cutting it takes a while; "
+        r"--max-chunks M would refuse rows with more than M chunks .*",
+        heard[0],
+    )
     assert any(line.startswith("warning: 1 row(s) have more than 20 chunks") for line in result.summary(16))
     capped = convert_records([record], tokenizer, 16, max_chunks=5)
     [refusal] = capped.refusals
@@ -293,14 +374,31 @@ def test_recorded_needs_bound_the_packed_episode_and_the_recipe_checks_them(tmp_
             return str(e).split("; ")
         return []
 
-    rc, out = _cli(capsys, FIX / "memagent_eval.json", "--out", tmp_path, "--tokenizer", tiny_models.student,
-                   "--chunk-tokens", 40, "--memory-tokens", 24, "--answer-tokens", 8)
+    rc, out = _cli(
+        capsys,
+        FIX / "memagent_eval.json",
+        "--out",
+        tmp_path,
+        "--tokenizer",
+        tiny_models.student,
+        "--chunk-tokens",
+        40,
+        "--memory-tokens",
+        24,
+        "--answer-tokens",
+        8,
+    )
     path = tmp_path / "train.parquet"
     needs = read_needs(path)
     need = needs.response_length(24, 8)
-    assert rc == 0 and any(line.startswith(f"packed response: data.max_response_length (actor_rollout_ref.rollout."
-                                           f"response_length) must be >= {need} with memopd.agent.memory_tokens=24 "
-                                           f"answer_tokens=8") for line in out)
+    assert rc == 0 and any(
+        line.startswith(
+            f"packed response: data.max_response_length (actor_rollout_ref.rollout."
+            f"response_length) must be >= {need} with memopd.agent.memory_tokens=24 "
+            f"answer_tokens=8"
+        )
+        for line in out
+    )
     worst = 0
     for row in read_rows(path):  # every memory call writes its whole budget: the packed response is the bound
         ctx, chunks = CallContext(tokenizer, row["prompt"], MemoryPrompts()), row["extra_info"]["chunks"]
@@ -308,24 +406,32 @@ def test_recorded_needs_bound_the_packed_episode_and_the_recipe_checks_them(tmp_
         for t, chunk in enumerate(chunks):
             x = ctx.memory_call(memory, chunk, t, len(chunks))
             memory = tuple(range(5, 5 + 24))
-            calls.append(Invocation(ctx.prefix_ids + x, memory, (-0.1,) * 24, memory_span=(0, 24),
-                                    finish_reason="length"))
+            calls.append(
+                Invocation(ctx.prefix_ids + x, memory, (-0.1,) * 24, memory_span=(0, 24), finish_reason="length")
+            )
         x = ctx.answer_call(memory)
         calls.append(Invocation(ctx.prefix_ids + x, tuple(range(5, 13)), (-0.1,) * 8, finish_reason="length"))
         worst = max(worst, len(pack_episode(Episode("e", "u", ctx.prefix_ids, tuple(calls))).response_ids))
     assert needs.empty_memory_tokens < 24 and worst == need  # the bound is attained
 
     def config(response_length, prompt_length=4096):
-        return OmegaConf.create({
-            "memopd": {"distill": {"coef": 0}, "agent": {"memory_tokens": 24, "answer_tokens": 8}},
-            "data": {"train_files": [str(path)], "val_files": str(path), "max_response_length": response_length},
-            "actor_rollout_ref": {"rollout": {"response_length": "${data.max_response_length}",
-                                              "prompt_length": prompt_length}}})
+        return OmegaConf.create(
+            {
+                "memopd": {"distill": {"coef": 0}, "agent": {"memory_tokens": 24, "answer_tokens": 8}},
+                "data": {"train_files": [str(path)], "val_files": str(path), "max_response_length": response_length},
+                "actor_rollout_ref": {
+                    "rollout": {"response_length": "${data.max_response_length}", "prompt_length": prompt_length}
+                },
+            }
+        )
 
     assert check_config(config(need)) == [] and from_config(config(need)).distill.coef == 0
-    with pytest.raises(MemopdConfigError, match=rf"data.train_files {path}: a packed episode can take {need} response "
-                                                rf"tokens .* actor_rollout_ref.rollout.response_length={need - 1}: set "
-                                                rf"data.max_response_length >= {need}"):
+    with pytest.raises(
+        MemopdConfigError,
+        match=rf"data.train_files {path}: a packed episode can take {need} response "
+        rf"tokens .* actor_rollout_ref.rollout.response_length={need - 1}: set "
+        rf"data.max_response_length >= {need}",
+    ):
         from_config(config(need - 1))
     assert "q takes up to" in check_config(config(need, prompt_length=10))[0]
     changed = config(need - 1)
@@ -335,13 +441,25 @@ def test_recorded_needs_bound_the_packed_episode_and_the_recipe_checks_them(tmp_
 
 # --- 11. sentence ends ----------------------------------------------------------------------
 def test_cuts_respect_abbreviations_other_scripts_and_words(tokenizer):
-    units = split_units("He joined the U.S. Geological Survey in 1990. Dr. Smith met J. R. R. Tolkien. It weighs "
-                        "approx. three tons. Mr. Lee left!")
-    assert units == ["He joined the U.S. Geological Survey in 1990.", " Dr. Smith met J. R. R. Tolkien.",
-                     " It weighs approx. three tons.", " Mr. Lee left!"]
+    units = split_units(
+        "He joined the U.S. Geological Survey in 1990. Dr. Smith met J. R. R. Tolkien. It weighs "
+        "approx. three tons. Mr. Lee left!"
+    )
+    assert units == [
+        "He joined the U.S. Geological Survey in 1990.",
+        " Dr. Smith met J. R. R. Tolkien.",
+        " It weighs approx. three tons.",
+        " Mr. Lee left!",
+    ]
     zh = [r.value for r in read_located(FIX / "longbench.jsonl")][1]["context"]
-    assert split_units(zh) == ["青河镇位于北部海岸。", "它建于一二零四年，由渔民建立。", "镇上以盐市场闻名！",
-                               "灯塔很高吗？", "是的，灯塔很高。", "每年春天，学生们会走到山上。"]
+    assert split_units(zh) == [
+        "青河镇位于北部海岸。",
+        "它建于一二零四年，由渔民建立。",
+        "镇上以盐市场闻名！",
+        "灯塔很高吗？",
+        "是的，灯塔很高。",
+        "每年春天，学生们会走到山上。",
+    ]
     words = "harbour lighthouse fishermen " * 12
     chunks = chunk_text(words, tokenizer, 10)
     assert all(c.split() and set(c.split()) <= {"harbour", "lighthouse", "fishermen"} for c in chunks)

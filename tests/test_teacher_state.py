@@ -81,8 +81,11 @@ def test_teacher_passes_score_the_supervision_under_the_teacher_state(teacher_di
     assert teacher_passes(per_call, audit=False) == [TeacherPass("flat")]
     # topk ships no hidden states: an audit step adds the supervision layout's hidden states
     topk = _memopd(teacher_dir, state="flat", transport="topk")
-    assert teacher_passes(topk, audit=True) == [TeacherPass("flat"), TeacherPass("flat", TEACHER_HIDDEN),
-                                                TeacherPass("packed", TEACHER_HIDDEN_ALIGNED)]
+    assert teacher_passes(topk, audit=True) == [
+        TeacherPass("flat"),
+        TeacherPass("flat", TEACHER_HIDDEN),
+        TeacherPass("packed", TEACHER_HIDDEN_ALIGNED),
+    ]
 
 
 def test_teacher_state_is_validated(teacher_dir):
@@ -105,18 +108,23 @@ class _Recorder:
         return {}
 
 
-@pytest.mark.parametrize("state, audit, scored", [
-    ("aligned", False, [("packed", None)]),
-    ("flat", False, [("flat", None)]),
-    ("flat", True, [("flat", None), ("packed", TEACHER_HIDDEN_ALIGNED)]),
-    ("aligned", True, [("packed", None), ("flat", TEACHER_HIDDEN_FLAT)]),
-])
+@pytest.mark.parametrize(
+    "state, audit, scored",
+    [
+        ("aligned", False, [("packed", None)]),
+        ("flat", False, [("flat", None)]),
+        ("flat", True, [("flat", None), ("packed", TEACHER_HIDDEN_ALIGNED)]),
+        ("aligned", True, [("packed", None), ("flat", TEACHER_HIDDEN_FLAT)]),
+    ],
+)
 def test_trainer_teacher_step_hands_the_rows_back_in_the_student_layout(teacher_dir, monkeypatch, state, audit, scored):
     rows = _Recorder()
     monkeypatch.setattr(ppo, "restore_layout", rows.restore_layout)
     trainer = SimpleNamespace(memopd=_memopd(teacher_dir, state=state), timing_raw={})
     trainer._restore_layout = lambda batch, layout: ppo.MemopdTrainer._restore_layout(trainer, batch, layout)
-    trainer._score_with_teacher = lambda batch, output_key=None: rows.scored.append((rows.layout or "packed", output_key))
+    trainer._score_with_teacher = lambda batch, output_key=None: rows.scored.append(
+        (rows.layout or "packed", output_key)
+    )
     rows.layout = "packed"  # _compute_old_log_prob restored the student's layout before the actor's forward
     ppo.MemopdTrainer._teacher_step(trainer, batch=object(), audit=audit)
     assert rows.scored == scored
@@ -145,8 +153,12 @@ def _model(config, seed):
 
 def _extra(ep) -> dict:
     row = pack_episode(ep)
-    return {EPISODE: ep.to_dict(), POSITION_IDS: list(row.position_ids),
-            SEGMENT_IDS: list(row.segment_ids), TEACHER_MASK: list(row.teacher_mask)}
+    return {
+        EPISODE: ep.to_dict(),
+        POSITION_IDS: list(row.position_ids),
+        SEGMENT_IDS: list(row.segment_ids),
+        TEACHER_MASK: list(row.teacher_mask),
+    }
 
 
 def _nested(tensors):
@@ -156,15 +168,20 @@ def _nested(tensors):
 def _micro_batch(episodes, layout: str) -> TensorDict:
     """The rows as a verl NO_PADDING micro-batch, laid out by the trainer's own ``layout_fields``."""
     packed = [pack_episode(ep) for ep in episodes]
-    fields = [layout_fields(len(r.prompt_ids), len(r.response_ids), _extra(ep), layout, ep.episode_id)
-              for r, ep in zip(packed, episodes)]
-    td = TensorDict({
-        "prompts": _nested(torch.tensor(r.prompt_ids) for r in packed),
-        "responses": _nested(torch.tensor(r.response_ids) for r in packed),
-        "input_ids": _nested(torch.tensor(r.prompt_ids + r.response_ids) for r in packed),
-        "response_mask": _nested(torch.tensor(r.response_mask) for r in packed),
-        **{k: _nested(f[k] for f in fields) for k in ("position_ids", SEGMENT_IDS, TEACHER_MASK, CALL_INDEX)},
-    }, batch_size=[len(episodes)])
+    fields = [
+        layout_fields(len(r.prompt_ids), len(r.response_ids), _extra(ep), layout, ep.episode_id)
+        for r, ep in zip(packed, episodes)
+    ]
+    td = TensorDict(
+        {
+            "prompts": _nested(torch.tensor(r.prompt_ids) for r in packed),
+            "responses": _nested(torch.tensor(r.response_ids) for r in packed),
+            "input_ids": _nested(torch.tensor(r.prompt_ids + r.response_ids) for r in packed),
+            "response_mask": _nested(torch.tensor(r.response_mask) for r in packed),
+            **{k: _nested(f[k] for f in fields) for k in ("position_ids", SEGMENT_IDS, TEACHER_MASK, CALL_INDEX)},
+        },
+        batch_size=[len(episodes)],
+    )
     tu.assign_non_tensor(td, temperature=1.0, dp_size=1)
     return td
 
@@ -173,8 +190,13 @@ def _micro_batch(episodes, layout: str) -> TensorDict:
 def _forward(model, td):
     """The engines' remove-padding forward -> (logits (N, V_rows), final hidden states (N, H))."""
     meta = micro_batch_segments(td, use_remove_padding=True)
-    out = model(input_ids=td["input_ids"].values()[None], position_ids=td["position_ids"].values()[None],
-                memopd_segments=meta, use_cache=False, output_hidden_states=True)
+    out = model(
+        input_ids=td["input_ids"].values()[None],
+        position_ids=td["position_ids"].values()[None],
+        memopd_segments=meta,
+        use_cache=False,
+        output_hidden_states=True,
+    )
     return out.logits[0], out.hidden_states[-1][0]
 
 
@@ -194,8 +216,13 @@ def scored():
     aligned, flat = _micro_batch(episodes, "packed"), _micro_batch(episodes, "flat")
     student_logits, _ = _forward(student, aligned)
     (_, t_aligned), (_, t_flat) = _forward(teacher, aligned), _forward(teacher, flat)
-    return SimpleNamespace(batch=aligned, student_logits=student_logits, head=teacher.lm_head.weight.detach(),
-                           aligned=_teacher_rows(t_aligned, aligned), flat=_teacher_rows(t_flat, flat))
+    return SimpleNamespace(
+        batch=aligned,
+        student_logits=student_logits,
+        head=teacher.lm_head.weight.detach(),
+        aligned=_teacher_rows(t_aligned, aligned),
+        flat=_teacher_rows(t_flat, flat),
+    )
 
 
 def _loss_metrics(s, teacher_rows) -> dict:
@@ -205,8 +232,10 @@ def _loss_metrics(s, teacher_rows) -> dict:
         data[key] = value
     assign_global_teacher_counts(data)
     offsets = data["input_ids"].offsets()
-    model_output = {STUDENT_LOGITS: torch.nested.nested_tensor_from_jagged(s.student_logits, offsets),
-                    TEACHER_HEAD: s.head}
+    model_output = {
+        STUDENT_LOGITS: torch.nested.nested_tensor_from_jagged(s.student_logits, offsets),
+        TEACHER_HEAD: s.head,
+    }
     _, metrics = opd_loss(OPDLossConfig(vocab_size=VOCAB), model_output, data)
     return {k: float(Metric.aggregate_dp([v])) for k, v in metrics.items()}
 
@@ -221,9 +250,13 @@ def test_flat_teacher_supervision_differs_from_aligned_on_later_calls_only(score
     assert per_call[0] < 1e-6
     assert min(per_call[1:]) > 1e-2
     aligned, flat = _loss_metrics(scored, scored.aligned), _loss_metrics(scored, scored.flat)
-    print("loss reverse_kl_call aligned / flat: " + ", ".join(
-        f"t={t + 1} {aligned[f'memopd/reverse_kl_call/{t}']:.4f}/{flat[f'memopd/reverse_kl_call/{t}']:.4f}"
-        for t in range(CALLS)))
+    print(
+        "loss reverse_kl_call aligned / flat: "
+        + ", ".join(
+            f"t={t + 1} {aligned[f'memopd/reverse_kl_call/{t}']:.4f}/{flat[f'memopd/reverse_kl_call/{t}']:.4f}"
+            for t in range(CALLS)
+        )
+    )
     assert aligned["memopd/reverse_kl_call/0"] == pytest.approx(flat["memopd/reverse_kl_call/0"], rel=1e-5)
     for t in range(1, CALLS):  # fp32 noise is ~1e-7 here
         assert abs(aligned[f"memopd/reverse_kl_call/{t}"] - flat[f"memopd/reverse_kl_call/{t}"]) > 1e-4

@@ -14,9 +14,12 @@ def test_tokenizer_models_and_record_agree_on_the_vocabulary(tiny_models):
     tokenizer = AutoTokenizer.from_pretrained(tiny_models.student)
     merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
     record = json.loads((tiny_models.student.parent / "tiny.json").read_text())
-    sizes = {"tokenizer": len(tokenizer), "tiny.json": record["vocab_size"],
-             "student": AutoConfig.from_pretrained(tiny_models.student).vocab_size,
-             "teacher": AutoConfig.from_pretrained(tiny_models.teacher).vocab_size}
+    sizes = {
+        "tokenizer": len(tokenizer),
+        "tiny.json": record["vocab_size"],
+        "student": AutoConfig.from_pretrained(tiny_models.student).vocab_size,
+        "teacher": AutoConfig.from_pretrained(tiny_models.teacher).vocab_size,
+    }
     assert sizes == dict.fromkeys(sizes, VOCAB_SIZE), sizes
     assert len(merges) == VOCAB_SIZE - 3 - 256  # BPE ran out of merges below the cap: 3 special + 256 bytes
 

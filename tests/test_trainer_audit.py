@@ -48,8 +48,15 @@ def _rows(n, seed, flat=False):
         row = pack_episode(ep)
         ids = torch.tensor(row.prompt_ids + row.response_ids)
         pos, seg = torch.tensor(row.position_ids), torch.tensor(row.segment_ids)
-        rows.append((ids, torch.arange(ids.numel()) if flat else pos, seg, torch.tensor(row.response_mask),
-                     records_of_episode(ep.invocations)))
+        rows.append(
+            (
+                ids,
+                torch.arange(ids.numel()) if flat else pos,
+                seg,
+                torch.tensor(row.response_mask),
+                records_of_episode(ep.invocations),
+            )
+        )
     return rows
 
 
@@ -75,7 +82,7 @@ def test_rce_spot_check_passes_on_packed_rows(model, seed):
     rows = _rows(5, seed)
     stats, bounds = _spot_check(model, rows, *_stream_logits(model, rows))
     assert [d.shape for d in stats] == [(len(r[4]), 5) for r in rows]  # one line of figures per recorded call
-    assert all(torch.all((t > 1e-4) & (t < 1e-4 + 2 ** -15 * 50)) for t in bounds)  # fp32: 1e-4 + 2^-15 max|l|
+    assert all(torch.all((t > 1e-4) & (t < 1e-4 + 2**-15 * 50)) for t in bounds)  # fp32: 1e-4 + 2^-15 max|l|
     metrics = rce_metrics(stats)
     assert metrics["memopd/audit/rce_max_abs_diff"] < 1e-5 and metrics["memopd/audit/rce_max_kl"] < 1e-6, metrics
     assert metrics["memopd/audit/rce_min_top1_agreement"] == 1.0 and "memopd/audit/rce_noise_floor" not in metrics
@@ -90,8 +97,10 @@ def test_record_calls_rebuild_each_call_from_its_record_not_from_the_row():
     segment ids and positions are never read: only its tokens and verl's response mask."""
     ids = torch.tensor([5, 6, 7, 10, 11, 12, 20, 21, 22, 23])
     rmask = torch.tensor([0, 1, 1, 0, 1, 0, 1])  # response = the blocks; actions 11, 12 | 21, 23
-    recs = [CallRecord(torch.tensor([5, 6, 7, 10, 11, 12]), torch.tensor([0, 0, 0, 0, 1, 1]).bool()),
-            CallRecord(torch.tensor([5, 6, 7, 20, 21, 22, 23]), torch.tensor([0, 0, 0, 0, 1, 0, 1]).bool())]
+    recs = [
+        CallRecord(torch.tensor([5, 6, 7, 10, 11, 12]), torch.tensor([0, 0, 0, 0, 1, 1]).bool()),
+        CallRecord(torch.tensor([5, 6, 7, 20, 21, 22, 23]), torch.tensor([0, 0, 0, 0, 1, 0, 1]).bool()),
+    ]
     calls = record_calls([recs], [ids], [rmask])
     assert calls.input_ids.tolist() == [[5, 6, 7, 10, 11, 12, 5], [5, 6, 7, 20, 21, 22, 23]]  # right-padded
     assert calls.position_ids.tolist() == [list(range(7))] * 2
@@ -269,8 +278,9 @@ def test_engine_spot_check_catches_a_backend_fault_on_both_verl_paths(model, use
     """``MemopdLMEngine._rce_spot_check`` on a verl micro-batch (jagged rows with their record fields + a verl
     padding row without calls), packed logits from the remove-padding stream (1, N, V) or the padded batch
     (B, L, V): clean passes, a scale bug fails."""
-    rows = _rows(3, 11) + [(torch.arange(7), torch.arange(7), torch.zeros(7, dtype=torch.long),
-                            torch.ones(3, dtype=torch.long), [])]
+    rows = _rows(3, 11) + [
+        (torch.arange(7), torch.arange(7), torch.zeros(7, dtype=torch.long), torch.ones(3, dtype=torch.long), [])
+    ]
     micro_batch = _micro_batch(rows)
     engine = SimpleNamespace(module=model)  # the method reads only self.module (FSDP2: the HF model itself)
 
@@ -302,8 +312,10 @@ def test_record_fields_come_from_the_agents_episode_and_padding_rows_get_none():
     episodes = random_episodes(2, VOCAB, 30, SHAPE)
     extra = [{"memopd_episode": ep.to_dict()} for ep in episodes]
     rows = record_fields(extra + [extra[0]], [{}, {}, {"is_padding": True}], ["a", "b", "pad"])
-    td = TensorDict({k: torch.nested.as_nested_tensor([r[k] for r in rows], layout=torch.jagged)
-                     for k in RECORD_FIELDS.values()}, batch_size=[3])
+    td = TensorDict(
+        {k: torch.nested.as_nested_tensor([r[k] for r in rows], layout=torch.jagged) for k in RECORD_FIELDS.values()},
+        batch_size=[3],
+    )
     decoded = micro_batch_records(td)
     assert [len(d) for d in decoded] == [len(episodes[0].invocations), len(episodes[1].invocations), 0]
     inv = episodes[1].invocations[-1]
@@ -321,8 +333,9 @@ def test_a_micro_batch_without_calls_still_makes_one_forward(model):
     forwards = []
     handle = model.register_forward_pre_hook(lambda m, a, k: forwards.append(1), with_kwargs=True)
     try:
-        stats, bounds, _ = rce_spot_check(model, model, torch.zeros(6, VOCAB), torch.tensor([0]), [ids],
-                                          [torch.ones(3, dtype=torch.long)], [[]])
+        stats, bounds, _ = rce_spot_check(
+            model, model, torch.zeros(6, VOCAB), torch.tensor([0]), [ids], [torch.ones(3, dtype=torch.long)], [[]]
+        )
     finally:
         handle.remove()
     assert len(forwards) == 1 and stats[0].shape == (0, 5) and bounds[0].numel() == 0
@@ -403,10 +416,12 @@ def test_put_rce_records_writes_each_rows_records_into_transfer_queue(monkeypatc
     def kv_batch_put(keys, partition_id, fields):
         written.update(keys=keys, fields=fields)
 
-    monkeypatch.setitem(sys.modules, "transfer_queue", SimpleNamespace(kv_batch_get=kv_batch_get,
-                                                                       kv_batch_put=kv_batch_put))
-    batch = SimpleNamespace(keys=["u0_0_0", "u1_0_0", "pad"], partition_id="train_0",
-                            tags=[{}, {}, {"is_padding": True}])
+    monkeypatch.setitem(
+        sys.modules, "transfer_queue", SimpleNamespace(kv_batch_get=kv_batch_get, kv_batch_put=kv_batch_put)
+    )
+    batch = SimpleNamespace(
+        keys=["u0_0_0", "u1_0_0", "pad"], partition_id="train_0", tags=[{}, {}, {"is_padding": True}]
+    )
     put_rce_records(batch)
     assert written["keys"] == batch.keys
     decoded = micro_batch_records(written["fields"])

@@ -12,11 +12,11 @@ import pytest
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
+from verl_runs.launcher import run_main_ppo
 
 from verl_memopd.supervision import SupervisionError
 from verl_memopd.trainer.config import MemopdConfigError, from_config
 from verl_memopd.trainer.teacher import check_teacher_compatible, load_output_head
-from verl_runs.launcher import run_main_ppo
 
 
 def _compose(tmp_path, monkeypatch, *overrides):
@@ -29,8 +29,12 @@ def _compose(tmp_path, monkeypatch, *overrides):
 def test_recipe_and_baselines_compose(tmp_path, monkeypatch, tiny_models):
     teacher = f"memopd.teacher.path={tiny_models.teacher}"
     main = from_config(_compose(tmp_path, monkeypatch, teacher))
-    assert (main.layout, main.distill.coef, main.distill.divergence, main.distill.transport) == \
-        ("packed", 1.0, "reverse_kl", "hidden")
+    assert (main.layout, main.distill.coef, main.distill.divergence, main.distill.transport) == (
+        "packed",
+        1.0,
+        "reverse_kl",
+        "hidden",
+    )
     flat = from_config(_compose(tmp_path, monkeypatch, teacher, "memopd.layout=flat"))
     ppo_only = from_config(_compose(tmp_path, monkeypatch, "memopd.distill.coef=0"))
     assert flat.layout == "flat" and flat.uses_teacher
@@ -100,9 +104,23 @@ def test_teacher_output_head_is_read_from_its_files(tiny_models):
 
 def test_main_ppo_stops_before_ray_on_a_bad_recipe(tmp_path, tiny_models):
     proc = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "verl.trainer.main_ppo", "+profile=cpu", "+recipe=memopd",
-         f"actor_rollout_ref.model.path={tiny_models.student}", "ray_kwargs.ray_init.num_gpus=2"],
-        cwd=tmp_path, env={**os.environ, "VERL_PLATFORM": "cpu"}, capture_output=True, text=True, timeout=180)
+        [
+            sys.executable,
+            "-W",
+            "ignore",
+            "-m",
+            "verl.trainer.main_ppo",
+            "+profile=cpu",
+            "+recipe=memopd",
+            f"actor_rollout_ref.model.path={tiny_models.student}",
+            "ray_kwargs.ray_init.num_gpus=2",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "VERL_PLATFORM": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 1
     assert "memopd.teacher.path is not set" in proc.stderr, proc.stderr[-2000:]
 
@@ -114,16 +132,33 @@ def test_teacher_worker_failure_stops_the_run(tmp_path, tiny_models):
     shutil.copytree(tiny_models.teacher, broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     data = tmp_path / "data"
-    subprocess.run([sys.executable, "-m", "verl_memopd.tasks", "build", "--out", str(data), "--seed", "0",
-                    "--preset", "tiny"], check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "verl_memopd.tasks", "build", "--out", str(data), "--seed", "0", "--preset", "tiny"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     run = run_main_ppo(
-        ["+profile=cpu", "+recipe=memopd", "ray_kwargs.ray_init.num_gpus=2",
-         f"actor_rollout_ref.model.path={tiny_models.student}", f"memopd.teacher.path={broken}",
-         f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'val.parquet'}",
-         "data.train_batch_size=2", "data.max_response_length=2048", "actor_rollout_ref.rollout.n=2",
-         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2",
-         "trainer.total_training_steps=1", "trainer.val_before_train=false"],
-        tmp_path / "run", timeout_s=600)
+        [
+            "+profile=cpu",
+            "+recipe=memopd",
+            "ray_kwargs.ray_init.num_gpus=2",
+            f"actor_rollout_ref.model.path={tiny_models.student}",
+            f"memopd.teacher.path={broken}",
+            f"data.train_files={data / 'train.parquet'}",
+            f"data.val_files={data / 'val.parquet'}",
+            "data.train_batch_size=2",
+            "data.max_response_length=2048",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+            "critic.ppo_micro_batch_size_per_gpu=2",
+            "trainer.total_training_steps=1",
+            "trainer.val_before_train=false",
+        ],
+        tmp_path / "run",
+        timeout_s=600,
+    )
     assert run.returncode != 0 and not run.steps, run.tail()
     assert "MemopdTeacherWorker" in run.log and "safetensors" in run.log.lower(), run.tail()

@@ -58,8 +58,9 @@ def _rows():
     rows = []
     for ep in [eps[0], eps[1], odd, eps[3], eps[2]]:
         r = pack_episode(ep)
-        rows.append((torch.tensor(r.prompt_ids + r.response_ids), torch.tensor(r.position_ids),
-                     torch.tensor(r.segment_ids)))
+        rows.append(
+            (torch.tensor(r.prompt_ids + r.response_ids), torch.tensor(r.position_ids), torch.tensor(r.segment_ids))
+        )
     rows.append((torch.arange(5), torch.arange(5), torch.zeros(5, dtype=torch.long)))
     return rows, [0, 0, 0, 1, 0, -1]
 
@@ -68,8 +69,9 @@ def _packed_logits(model, rows):
     """Every row computing its own q: the engines' packed stream."""
     ids, pos, seg = (torch.cat(x) for x in zip(*rows))
     row_ids = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([r[0].numel() for r in rows]))
-    return model(input_ids=ids[None], position_ids=pos[None], memopd_segments=segment_meta(seg, row_ids, pos),
-                 use_cache=False).logits[0]
+    return model(
+        input_ids=ids[None], position_ids=pos[None], memopd_segments=segment_meta(seg, row_ids, pos), use_cache=False
+    ).logits[0]
 
 
 def test_q_is_stored_once_per_group_and_every_output_read_back(model):
@@ -119,10 +121,17 @@ def _micro_batch(rows, groups, use_rmpad: bool, share: bool) -> TensorDict:
     jagged = lambda ts: torch.nested.as_nested_tensor(list(ts), layout=torch.jagged)  # noqa: E731
     ids, pos, seg = zip(*rows)
     resp = [int((s > 0).sum()) or 1 for s in seg]
-    td = TensorDict({"input_ids": jagged(ids), "position_ids": jagged(pos), SEGMENT_IDS: jagged(seg),
-                     TEACHER_MASK: jagged([torch.ones(r, dtype=torch.long) for r in resp]),
-                     PROMPT_GROUP: torch.tensor(groups if share else [-1] * len(groups)),
-                     "temperature": torch.ones(len(rows))}, batch_size=[len(rows)])
+    td = TensorDict(
+        {
+            "input_ids": jagged(ids),
+            "position_ids": jagged(pos),
+            SEGMENT_IDS: jagged(seg),
+            TEACHER_MASK: jagged([torch.ones(r, dtype=torch.long) for r in resp]),
+            PROMPT_GROUP: torch.tensor(groups if share else [-1] * len(groups)),
+            "temperature": torch.ones(len(rows)),
+        },
+        batch_size=[len(rows)],
+    )
     tu.assign_non_tensor(td, use_remove_padding=use_rmpad, calculate_entropy=True)
     return td
 
@@ -154,8 +163,13 @@ def test_engines_give_the_same_outputs_and_gradients_with_sharing_on_and_off(rol
             tu.assign_non_tensor(micro_batch, **{TEACHER_OUTPUT_KEY: TEACHER_HIDDEN})
         outs, n_tokens = _run(engine, micro_batch, keys)
         sum(o.values().pow(2).sum() for o in outs).backward()
-        results.append(([o.values().detach() for o in outs], n_tokens,
-                        [p.grad.clone() for p in engine.module.parameters() if p.grad is not None]))
+        results.append(
+            (
+                [o.values().detach() for o in outs],
+                n_tokens,
+                [p.grad.clone() for p in engine.module.parameters() if p.grad is not None],
+            )
+        )
     (shared, n_shared, g_shared), (own, n_own, g_own) = results
     assert n_shared < n_own if use_rmpad else n_shared < sum(r[0].numel() for r in rows)
     for a, b in zip(shared + g_shared, own + g_own):
@@ -170,8 +184,13 @@ def test_teacher_hook_catches_the_final_post_norm_hidden_states(model):
     handle = final_norm(model).register_forward_hook(lambda _m, _i, out: caught.append(out))
     ids = torch.arange(9)[None]
     with torch.no_grad():
-        out = model(input_ids=ids, position_ids=ids, memopd_segments=segment_meta(torch.zeros(9), torch.zeros(9)),
-                    output_hidden_states=True, use_cache=False)
+        out = model(
+            input_ids=ids,
+            position_ids=ids,
+            memopd_segments=segment_meta(torch.zeros(9), torch.zeros(9)),
+            output_hidden_states=True,
+            use_cache=False,
+        )
     handle.remove()
     assert len(caught) == 1 and torch.equal(caught[0], out.hidden_states[-1])
 

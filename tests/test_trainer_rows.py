@@ -16,15 +16,18 @@ Q = (5, 6, 7)
 
 
 def _episode() -> Episode:
-    calls = [Invocation(Q + (10, 11), (20, 21), (-0.1, -0.2)),
-             Invocation(Q + (20, 21, 30), (40,), (-0.3,))]
+    calls = [Invocation(Q + (10, 11), (20, 21), (-0.1, -0.2)), Invocation(Q + (20, 21, 30), (40,), (-0.3,))]
     return Episode("e0", "u0", Q, tuple(calls))
 
 
 def _extra(ep: Episode) -> dict:
     row = pack_episode(ep)
-    return {EPISODE: ep.to_dict(), POSITION_IDS: list(row.position_ids),
-            SEGMENT_IDS: list(row.segment_ids), TEACHER_MASK: list(row.teacher_mask)}
+    return {
+        EPISODE: ep.to_dict(),
+        POSITION_IDS: list(row.position_ids),
+        SEGMENT_IDS: list(row.segment_ids),
+        TEACHER_MASK: list(row.teacher_mask),
+    }
 
 
 def test_packed_fields_are_the_recorded_layout():
@@ -36,8 +39,10 @@ def test_packed_fields_are_the_recorded_layout():
     assert f["memopd_call_index"].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
-@pytest.mark.parametrize("policy, mask", [("action", [0, 0, 1, 1, 0, 0, 0, 1]), ("answer", [0, 0, 0, 0, 0, 0, 0, 1]),
-                                          ("memory", [0, 0, 1, 1, 0, 0, 0, 0])])
+@pytest.mark.parametrize(
+    "policy, mask",
+    [("action", [0, 0, 1, 1, 0, 0, 0, 1]), ("answer", [0, 0, 0, 0, 0, 0, 0, 1]), ("memory", [0, 0, 1, 1, 0, 0, 0, 0])],
+)
 @pytest.mark.parametrize("layout", ["packed", "flat"])
 def test_teacher_mask_policy_restricts_m_T_to_its_calls(policy, mask, layout):
     f = layout_fields(3, 8, _extra(_episode()), layout, "row x", policy)
@@ -72,8 +77,14 @@ def test_sharing_metrics_count_the_prefix_once():
 def _micro_batch(rows: list[dict], use_rmpad: bool) -> TensorDict:
     nested = lambda key: torch.nested.as_nested_tensor([r[key] for r in rows], layout=torch.jagged)  # noqa: E731
     ids = [torch.arange(len(r["position_ids"])) for r in rows]
-    td = TensorDict({"input_ids": torch.nested.as_nested_tensor(ids, layout=torch.jagged),
-                     "position_ids": nested("position_ids"), SEGMENT_IDS: nested(SEGMENT_IDS)}, batch_size=[len(rows)])
+    td = TensorDict(
+        {
+            "input_ids": torch.nested.as_nested_tensor(ids, layout=torch.jagged),
+            "position_ids": nested("position_ids"),
+            SEGMENT_IDS: nested(SEGMENT_IDS),
+        },
+        batch_size=[len(rows)],
+    )
     return td
 
 

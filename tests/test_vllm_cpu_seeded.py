@@ -27,11 +27,12 @@ class FakeRunner:
         self.discard_request_mask = SimpleNamespace(np=np.array(discard + [False] * 4))
 
     def _sample(self):  # one draw per request, from its own generator when seeded
-        return [torch.rand(1, generator=self.input_batch.generators.get(i)).item()
-                for i in range(self.input_batch.num_reqs)]
+        return [
+            torch.rand(1, generator=self.input_batch.generators.get(i)).item() for i in range(self.input_batch.num_reqs)
+        ]
 
     def _bookkeeping_sync(self):  # vLLM 0.32's loop over the discarded requests
-        for i in np.nonzero(self.discard_request_mask.np[:self.input_batch.num_reqs])[0]:
+        for i in np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0]:
             gen = self.input_batch.generators.get(int(i))
             if gen is not None:
                 gen.set_offset(gen.get_offset() - 4)

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from verl_memopd.trainer import watchdog
-from verl_memopd.trainer.watchdog import NodeWatchdog, lost_nodes, loss_message, pool_nodes
+from verl_memopd.trainer.watchdog import NodeWatchdog, loss_message, lost_nodes, pool_nodes
 
 
 def _node(node_id: str, alive: bool) -> dict:

@@ -43,9 +43,18 @@ from verl_memopd.packing import BatchLayout
 from verl_memopd.segments import SegmentMeta
 
 __all__ = [
-    "BACKENDS", "HF_NAMES", "PackedAttentionError", "register_backend", "scoped_backend", "get_backend", "hf_name",
+    "BACKENDS",
+    "HF_NAMES",
+    "PackedAttentionError",
+    "register_backend",
+    "scoped_backend",
+    "get_backend",
+    "hf_name",
     "backend_of",
-    "require_packed_attention", "attention_implementation", "forward_hidden", "forward_layout",
+    "require_packed_attention",
+    "attention_implementation",
+    "forward_hidden",
+    "forward_layout",
     "call_varlen_attn",
 ]
 
@@ -80,6 +89,7 @@ def register_backend(name: str, hf_suffix: Optional[str] = None) -> Callable[[Ba
         BACKENDS[name], HF_NAMES[name] = fn, hf
         AttentionInterface.register(hf, _hf_attention(name))
         return fn
+
     return deco
 
 
@@ -105,36 +115,52 @@ def get_backend(name: str) -> Backend:
 
 def _hf_attention(backend: str) -> Callable:
     """The function transformers calls per layer: ``(B, H, L, D)`` tensors -> ``((B, L, Hq, D), None)``."""
-    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None, dropout: float = 0.0,
-                  sliding_window: Optional[int] = None, memopd_segments: Optional[SegmentMeta] = None,
-                  **_: object) -> tuple[torch.Tensor, None]:
+
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        scaling: Optional[float] = None,
+        dropout: float = 0.0,
+        sliding_window: Optional[int] = None,
+        memopd_segments: Optional[SegmentMeta] = None,
+        **_: object,
+    ) -> tuple[torch.Tensor, None]:
         where = f"attention {HF_NAMES[backend]!r} (layer {getattr(module, 'layer_idx', '?')})"
         if memopd_segments is None:
-            raise PackedAttentionError(f"{where} was called without memopd_segments metadata; run the model "
-                                       f"through verl_memopd.attention.forward_layout or pass memopd_segments=")
+            raise PackedAttentionError(
+                f"{where} was called without memopd_segments metadata; run the model "
+                f"through verl_memopd.attention.forward_layout or pass memopd_segments="
+            )
         if attention_mask is not None or sliding_window is not None or not getattr(module, "is_causal", True):
-            raise PackedAttentionError(f"{where} supports causal full attention only, without a 4-D mask or "
-                                       f"sliding window (got mask={attention_mask is not None}, "
-                                       f"sliding_window={sliding_window})")
-        b, hq, l, d = query.shape
-        if memopd_segments.num_tokens != b * l:
-            raise PackedAttentionError(f"{where}: memopd_segments covers {memopd_segments.num_tokens} tokens, "
-                                       f"the batch has B*L = {b * l}")
-        q = query.transpose(1, 2).reshape(b * l, hq, d)
-        k, v = (x.transpose(1, 2).reshape(b * l, x.shape[1], d) for x in (key, value))
+            raise PackedAttentionError(
+                f"{where} supports causal full attention only, without a 4-D mask or "
+                f"sliding window (got mask={attention_mask is not None}, "
+                f"sliding_window={sliding_window})"
+            )
+        b, hq, length, d = query.shape
+        if memopd_segments.num_tokens != b * length:
+            raise PackedAttentionError(
+                f"{where}: memopd_segments covers {memopd_segments.num_tokens} tokens, the batch has B*L = {b * length}"
+            )
+        q = query.transpose(1, 2).reshape(b * length, hq, d)
+        k, v = (x.transpose(1, 2).reshape(b * length, x.shape[1], d) for x in (key, value))
         if not memopd_segments.keys_are_queries:
             k, v = k.index_select(0, memopd_segments.key_index), v.index_select(0, memopd_segments.key_index)
-        scale = d ** -0.5 if scaling is None else scaling
+        scale = d**-0.5 if scaling is None else scaling
         out = BACKENDS[backend](q, k, v, memopd_segments, scale, dropout)
-        return out.reshape(b, l, hq, d), None
+        return out.reshape(b, length, hq, d), None
+
     attention.__name__ = f"{HF_NAMES[backend]}_attention"
     return attention
 
 
 @register_backend("torch")
-def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SegmentMeta, scale: float,
-                     dropout: float) -> torch.Tensor:
+def _torch_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SegmentMeta, scale: float, dropout: float
+) -> torch.Tensor:
     """Reference: one SDPA per segment (``split`` views, so backward concatenates instead of scattering).
 
     Each segment runs as a batch of one, ``(1, H, L*, D)``: SDPA's fused kernels (CPU flash attention
@@ -151,26 +177,31 @@ def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Se
         qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (qs, ks, vs))  # (1, H, L*, D)
         n, m = qs.shape[2], ks.shape[2]
         if n == m:  # square: top-left and bottom-right alignment coincide
-            o = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scale,
-                                               enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa
+            )
         else:
             if (n, m) not in masks:
                 masks[(n, m)] = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=masks[(n, m)], dropout_p=dropout, scale=scale,
-                                               enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=masks[(n, m)], dropout_p=dropout, scale=scale, enable_gqa=gqa
+            )
         outs.append(o.squeeze(0).transpose(0, 1))
     return torch.cat(outs)
 
 
 def _require_cuda(name: str, q: torch.Tensor) -> None:
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
-        raise PackedAttentionError(f"attention backend {name!r} needs CUDA fp16/bf16 tensors, got {q.device} "
-                                   f"{q.dtype}; use backend 'torch' elsewhere")
+        raise PackedAttentionError(
+            f"attention backend {name!r} needs CUDA fp16/bf16 tensors, got {q.device} "
+            f"{q.dtype}; use backend 'torch' elsewhere"
+        )
 
 
 @register_backend("flash_attn", hf_suffix="fa2")
-def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SegmentMeta, scale: float,
-                     dropout: float) -> torch.Tensor:
+def _flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SegmentMeta, scale: float, dropout: float
+) -> torch.Tensor:
     """flash-attn varlen; its causal mask is bottom-right aligned since flash-attn 2.1."""
     _require_cuda("flash_attn", q)
     try:
@@ -181,13 +212,24 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Se
     major, minor = (int(x) for x in flash_attn.__version__.split(".")[:2])
     if (major, minor) < (2, 1):
         raise PackedAttentionError(f"flash-attn {flash_attn.__version__} aligns causal masks top-left; need >= 2.1")
-    return flash_attn_varlen_func(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
-                                  meta.max_seqlen_k, dropout_p=dropout, softmax_scale=scale, causal=True)
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        meta.cu_seqlens_q,
+        meta.cu_seqlens_k,
+        meta.max_seqlen_q,
+        meta.max_seqlen_k,
+        dropout_p=dropout,
+        softmax_scale=scale,
+        causal=True,
+    )
 
 
 @register_backend("torch_varlen")
-def _torch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SegmentMeta, scale: float,
-                            dropout: float) -> torch.Tensor:
+def _torch_varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SegmentMeta, scale: float, dropout: float
+) -> torch.Tensor:
     """PyTorch's flash-attention varlen wrapper, called as the installed torch's signature allows."""
     _require_cuda("torch_varlen", q)
     if dropout:
@@ -197,8 +239,9 @@ def _torch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     return call_varlen_attn(varlen_attn, q, k, v, meta, scale)
 
 
-def call_varlen_attn(varlen_attn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SegmentMeta,
-                     scale: float) -> torch.Tensor:
+def call_varlen_attn(
+    varlen_attn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SegmentMeta, scale: float
+) -> torch.Tensor:
     """Run ``torch.nn.attention.varlen.varlen_attn`` (passed in) causally, whatever its torch version's signature.
 
     q (N, Hq, D); k, v (Nk, Hkv, D) gathered -> (N, Hq, D). The signature has changed release by release:
@@ -224,8 +267,10 @@ def call_varlen_attn(varlen_attn: Callable, q: torch.Tensor, k: torch.Tensor, v:
     elif "is_causal" in params:
         kwargs["is_causal"] = True
     else:
-        raise PackedAttentionError(f"torch {torch.__version__}'s varlen_attn{inspect.signature(varlen_attn)} takes "
-                                   f"neither window_size nor is_causal: cannot ask it for causal attention")
+        raise PackedAttentionError(
+            f"torch {torch.__version__}'s varlen_attn{inspect.signature(varlen_attn)} takes "
+            f"neither window_size nor is_causal: cannot ask it for causal attention"
+        )
     if "scale" in params:
         kwargs["scale"] = scale
     else:
@@ -240,8 +285,7 @@ def call_varlen_attn(varlen_attn: Callable, q: torch.Tensor, k: torch.Tensor, v:
             return native(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k)
         else:
             k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)  # (Nk, Hq, D)
-    return varlen_attn(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-                       **kwargs)
+    return varlen_attn(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k, **kwargs)
 
 
 def _private_varlen_gqa(varlen_attn: Callable, public_kwargs: dict) -> Optional[Callable[..., torch.Tensor]]:
@@ -291,7 +335,8 @@ def require_packed_attention(model: torch.nn.Module) -> str:
         raise PackedAttentionError(
             f"attention implementation {model.config._attn_implementation!r} would let packed call blocks see "
             f"each other (sdpa/eager ignore the segments; flash-attn infers them from position ids); use one of "
-            f"{', '.join(sorted(HF_NAMES.values()))}")
+            f"{', '.join(sorted(HF_NAMES.values()))}"
+        )
     return backend
 
 
@@ -315,8 +360,9 @@ def forward_hidden(model: torch.nn.Module, layout: BatchLayout) -> torch.Tensor:
     backend = require_packed_attention(model) if layout.needs_segment_attention else backend_of(model)
     device = model.get_input_embeddings().weight.device
     kwargs = {} if backend is None else {SEGMENTS: layout.segments.to(device)}
-    out = model.base_model(input_ids=layout.input_ids.to(device), position_ids=layout.position_ids.to(device),
-                           use_cache=False, **kwargs)
+    out = model.base_model(
+        input_ids=layout.input_ids.to(device), position_ids=layout.position_ids.to(device), use_cache=False, **kwargs
+    )
     hidden = out.last_hidden_state
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, layout.action_index.to(device))
 

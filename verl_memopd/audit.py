@@ -33,10 +33,31 @@ import torch.nn.functional as F
 from verl_memopd.attention import attention_implementation
 from verl_memopd.fp32_reference import Fp32ReferenceError, fp32_replica, upcast_to_fp32
 
-__all__ = ["Tolerance", "TOLERANCES", "NoiseFloorRule", "NOISE_FLOOR_RULES", "TOKEN_COLUMNS", "STAT_COLUMNS",
-           "CallRecord", "records_of_episode", "encode_records", "decode_records", "AloneCalls", "record_calls",
-           "token_stats", "per_call_stats", "upcast_to_fp32", "compute_dtype", "reference_precision", "stock_attention",
-           "alone_pass_stats", "rce_spot_check", "RceAuditError", "CallSummary", "summarize"]
+__all__ = [
+    "Tolerance",
+    "TOLERANCES",
+    "NoiseFloorRule",
+    "NOISE_FLOOR_RULES",
+    "TOKEN_COLUMNS",
+    "STAT_COLUMNS",
+    "CallRecord",
+    "records_of_episode",
+    "encode_records",
+    "decode_records",
+    "AloneCalls",
+    "record_calls",
+    "token_stats",
+    "per_call_stats",
+    "upcast_to_fp32",
+    "compute_dtype",
+    "reference_precision",
+    "stock_attention",
+    "alone_pass_stats",
+    "rce_spot_check",
+    "RceAuditError",
+    "CallSummary",
+    "summarize",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +87,9 @@ class Tolerance:
 #: ``verl_memopd.rce``). fp16 / bf16: the old relative bound (8 ulps of the largest logit), a fallback used only
 #: where no fp32 reference runs (``alone_pass_stats(reference=False)``, or no replica could be built; it warns).
 TOLERANCES: dict[torch.dtype, Tolerance] = {
-    torch.float32: Tolerance(atol=1e-4, rtol=2.0 ** -15),
-    torch.float16: Tolerance(atol=0.0, rtol=8 * 2.0 ** -10),
-    torch.bfloat16: Tolerance(atol=0.0, rtol=8 * 2.0 ** -7),
+    torch.float32: Tolerance(atol=1e-4, rtol=2.0**-15),
+    torch.float16: Tolerance(atol=0.0, rtol=8 * 2.0**-10),
+    torch.bfloat16: Tolerance(atol=0.0, rtol=8 * 2.0**-7),
 }
 
 
@@ -90,8 +111,8 @@ class NoiseFloorRule:
 
 #: The low-precision rule (``verl_memopd.rce`` docstring): k = 3, eps = 4 ulps of the call's largest fp32 logit.
 NOISE_FLOOR_RULES: dict[torch.dtype, NoiseFloorRule] = {
-    torch.bfloat16: NoiseFloorRule(k=3.0, eps_ulps=4.0, unit=2.0 ** -8),
-    torch.float16: NoiseFloorRule(k=3.0, eps_ulps=4.0, unit=2.0 ** -11),
+    torch.bfloat16: NoiseFloorRule(k=3.0, eps_ulps=4.0, unit=2.0**-8),
+    torch.float16: NoiseFloorRule(k=3.0, eps_ulps=4.0, unit=2.0**-11),
 }
 
 #: per action token (:func:`token_stats`), (A, 6) float32
@@ -120,8 +141,9 @@ def token_stats(packed: torch.Tensor, alone: torch.Tensor, ref: Optional[torch.T
     return torch.stack([d_pa, d_pr, d_ar, kl, top1, r_max], 1)
 
 
-def per_call_stats(tokens: torch.Tensor, call: torch.Tensor, n_calls: int, dtype: torch.dtype,
-                   bad: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def per_call_stats(
+    tokens: torch.Tensor, call: torch.Tensor, n_calls: int, dtype: torch.dtype, bad: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Aggregate :func:`token_stats` (A, 6) over each token's call (A,) into :data:`STAT_COLUMNS` (S, 5)
     and each call's bound (S,), both float32. ``dtype``: the logits' dtype -- fp32 (or a low-precision
     pass without a reference, column ``alone_vs_ref`` NaN): :data:`TOLERANCES`; else
@@ -163,8 +185,10 @@ class CallRecord:
 
     def __post_init__(self) -> None:
         if self.ids.dim() != 1 or self.ids.shape != self.action.shape:
-            raise ValueError(f"CallRecord: ids {tuple(self.ids.shape)} and action {tuple(self.action.shape)} must "
-                             f"be equal 1-D tensors")
+            raise ValueError(
+                f"CallRecord: ids {tuple(self.ids.shape)} and action {tuple(self.action.shape)} must "
+                f"be equal 1-D tensors"
+            )
         if self.ids.numel() and bool(self.action[0]):
             raise ValueError("CallRecord: the first token cannot be an action token (nothing predicts it)")
 
@@ -179,10 +203,16 @@ def records_of_episode(invocations: Sequence) -> list[CallRecord]:
         mask = get("action_mask")
         mask = [True] * len(response) if mask is None else [bool(m) for m in mask]
         if not prompt or len(mask) != len(response):
-            raise ValueError(f"call {t}: a record needs a non-empty prompt_ids and an action_mask as long as "
-                             f"response_ids ({len(mask)} vs {len(response)})")
-        out.append(CallRecord(torch.tensor(prompt + response, dtype=torch.long),
-                              torch.tensor([False] * len(prompt) + mask, dtype=torch.bool)))
+            raise ValueError(
+                f"call {t}: a record needs a non-empty prompt_ids and an action_mask as long as "
+                f"response_ids ({len(mask)} vs {len(response)})"
+            )
+        out.append(
+            CallRecord(
+                torch.tensor(prompt + response, dtype=torch.long),
+                torch.tensor([False] * len(prompt) + mask, dtype=torch.bool),
+            )
+        )
     return out
 
 
@@ -191,10 +221,16 @@ def encode_records(calls: Sequence[CallRecord]) -> dict[str, torch.Tensor]:
     (T,) int64 of the calls concatenated, ``lengths`` (C,) int64 per call. No calls (verl's padding
     rows): one placeholder token and ``lengths = [0]``."""
     if not calls:
-        return {"ids": torch.zeros(1, dtype=torch.long), "action": torch.zeros(1, dtype=torch.long),
-                "lengths": torch.zeros(1, dtype=torch.long)}
-    return {"ids": torch.cat([c.ids for c in calls]), "action": torch.cat([c.action for c in calls]).long(),
-            "lengths": torch.tensor([c.ids.numel() for c in calls], dtype=torch.long)}
+        return {
+            "ids": torch.zeros(1, dtype=torch.long),
+            "action": torch.zeros(1, dtype=torch.long),
+            "lengths": torch.zeros(1, dtype=torch.long),
+        }
+    return {
+        "ids": torch.cat([c.ids for c in calls]),
+        "action": torch.cat([c.action for c in calls]).long(),
+        "lengths": torch.tensor([c.ids.numel() for c in calls], dtype=torch.long),
+    }
 
 
 def decode_records(ids: torch.Tensor, action: torch.Tensor, lengths: torch.Tensor) -> list[CallRecord]:
@@ -202,8 +238,9 @@ def decode_records(ids: torch.Tensor, action: torch.Tensor, lengths: torch.Tenso
     lengths = lengths.reshape(-1).long()
     total = int(lengths.sum())
     if total > ids.numel() or ids.shape != action.shape:
-        raise ValueError(f"RCE records: lengths sum to {total}, ids has {ids.numel()} and action {action.numel()} "
-                         f"entries")
+        raise ValueError(
+            f"RCE records: lengths sum to {total}, ids has {ids.numel()} and action {action.numel()} entries"
+        )
     parts = zip(ids[:total].split(lengths.tolist()), action[:total].split(lengths.tolist()))
     return [CallRecord(i.long(), a.bool()) for i, a in parts if i.numel()]
 
@@ -237,8 +274,9 @@ class AloneCalls:
     problems: tuple[str, ...]
 
 
-def record_calls(records: Sequence[Sequence[CallRecord]], input_ids: Sequence[torch.Tensor],
-                 response_masks: Sequence[torch.Tensor]) -> AloneCalls:
+def record_calls(
+    records: Sequence[Sequence[CallRecord]], input_ids: Sequence[torch.Tensor], response_masks: Sequence[torch.Tensor]
+) -> AloneCalls:
     """Lay out each row's recorded calls alone and pair their action tokens with the packed row's.
 
     Per row b: ``records[b]`` its calls; ``input_ids[b]`` (L_b,) the packed row and ``response_masks[b]``
@@ -264,7 +302,7 @@ def record_calls(records: Sequence[Sequence[CallRecord]], input_ids: Sequence[to
             if not count_ok:
                 bad.append(True)
                 continue
-            tgt = targets[k:k + js.numel()]
+            tgt = targets[k : k + js.numel()]
             k += js.numel()
             same = torch.equal(tok[tgt], seqs[-1][js])
             bad.append(not same)
@@ -283,9 +321,17 @@ def record_calls(records: Sequence[Sequence[CallRecord]], input_ids: Sequence[to
     def cat(parts: list) -> torch.Tensor:
         return torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.long, device=device)
 
-    return AloneCalls(ids, torch.arange(width, device=device).expand(len(seqs), width).contiguous(),
-                      cat([s * width + j for s, j in alone]), cat(row_of), cat(packed), cat(call_of), tuple(calls),
-                      torch.tensor(bad, dtype=torch.bool), tuple(problems))
+    return AloneCalls(
+        ids,
+        torch.arange(width, device=device).expand(len(seqs), width).contiguous(),
+        cat([s * width + j for s, j in alone]),
+        cat(row_of),
+        cat(packed),
+        cat(call_of),
+        tuple(calls),
+        torch.tensor(bad, dtype=torch.bool),
+        tuple(problems),
+    )
 
 
 # --- the alone pass -------------------------------------------------------------------------------------
@@ -304,8 +350,14 @@ def _head_of(hf_model: torch.nn.Module) -> torch.nn.Module:
     return getattr(head, "_fsdp_wrapped_module", head)  # an FSDP1-wrapped head: hook the module inside
 
 
-def _run_alone(module: torch.nn.Module, hf_model: torch.nn.Module, calls: AloneCalls, device: torch.device,
-               on_hidden, attention: Optional[str] = None) -> None:
+def _run_alone(
+    module: torch.nn.Module,
+    hf_model: torch.nn.Module,
+    calls: AloneCalls,
+    device: torch.device,
+    on_hidden,
+    attention: Optional[str] = None,
+) -> None:
     """One forward of the alone rows under stock attention (``attention``, default :func:`stock_attention`);
     ``on_hidden(head, h)`` gets the final hidden states at the predicting positions (A, H) inside a pre-hook of
     the output head (where FSDP has gathered its weights), and the head itself then projects nothing."""
@@ -322,13 +374,19 @@ def _run_alone(module: torch.nn.Module, hf_model: torch.nn.Module, calls: AloneC
     handle = head.register_forward_pre_hook(hook)
     try:
         with attention_implementation(hf_model, attention or stock_attention(device)):
-            module(input_ids=calls.input_ids.to(device), position_ids=calls.position_ids.to(device),
-                   attention_mask=None, use_cache=False)
+            module(
+                input_ids=calls.input_ids.to(device),
+                position_ids=calls.position_ids.to(device),
+                attention_mask=None,
+                use_cache=False,
+            )
     finally:
         handle.remove()
     if not seen:
-        raise RceAuditError("RCE check: the model never called its output head (fused kernels?); the audit "
-                            "needs the plain lm_head path (actor_rollout_ref.model.use_fused_kernels=false)")
+        raise RceAuditError(
+            "RCE check: the model never called its output head (fused kernels?); the audit "
+            "needs the plain lm_head path (actor_rollout_ref.model.use_fused_kernels=false)"
+        )
 
 
 @contextmanager
@@ -363,9 +421,16 @@ _warned_fallback = False
 
 
 @torch.no_grad()
-def alone_pass_stats(module: torch.nn.Module, hf_model: torch.nn.Module, packed_logits: torch.Tensor,
-                     packed_index: torch.Tensor, calls: AloneCalls, chunk: int = 256,
-                     reference: bool = True, reference_tf32: bool = True) -> tuple[torch.Tensor, torch.dtype]:
+def alone_pass_stats(
+    module: torch.nn.Module,
+    hf_model: torch.nn.Module,
+    packed_logits: torch.Tensor,
+    packed_index: torch.Tensor,
+    calls: AloneCalls,
+    chunk: int = 256,
+    reference: bool = True,
+    reference_tf32: bool = True,
+) -> tuple[torch.Tensor, torch.dtype]:
     """Run ``calls`` alone (``module``: the engine's model, FSDP-wrapped or not; ``hf_model`` the HF model
     inside it) and compare with the packed forward at the action tokens, ``chunk`` tokens at a time.
 
@@ -383,8 +448,9 @@ def alone_pass_stats(module: torch.nn.Module, hf_model: torch.nn.Module, packed_
     ref: dict = {}
 
     def keep(mod: torch.nn.Module, h: torch.Tensor, _) -> None:
-        ref.update(h=h, weight=mod.weight.detach(), bias=None if getattr(mod, "bias", None) is None else
-                   mod.bias.detach())
+        ref.update(
+            h=h, weight=mod.weight.detach(), bias=None if getattr(mod, "bias", None) is None else mod.bias.detach()
+        )
 
     missing = "reference=False"
     if reference and dtype in NOISE_FLOOR_RULES:
@@ -402,24 +468,36 @@ def alone_pass_stats(module: torch.nn.Module, hf_model: torch.nn.Module, packed_
         found["dtype"] = mod.forward(hidden[:1, :1]).dtype  # .forward: no hooks (this runs inside one)
         out = [h.new_zeros(0, len(TOKEN_COLUMNS), dtype=torch.float32)]
         for i in range(0, h.shape[0], chunk):
-            alone = mod.forward(h[i:i + chunk])
+            alone = mod.forward(h[i : i + chunk])
             with reference_precision(device, reference_tf32):
-                r = None if "h" not in ref else _fp32_head(ref["weight"], ref["bias"], ref["h"][i:i + chunk])
-            out.append(token_stats(packed_logits[packed_index[i:i + chunk]], alone, r))
+                r = None if "h" not in ref else _fp32_head(ref["weight"], ref["bias"], ref["h"][i : i + chunk])
+            out.append(token_stats(packed_logits[packed_index[i : i + chunk]], alone, r))
         found["stats"] = torch.cat(out)
 
     _run_alone(module, hf_model, calls, device, compare)
     if reference and found["dtype"] in NOISE_FLOOR_RULES and "h" not in ref and not _warned_fallback:
         _warned_fallback = True
-        logger.warning("RCE check: %s logits but no fp32 reference (%s); using the relative fallback bound "
-                       "TOLERANCES[%s]", found["dtype"], missing, found["dtype"])
+        logger.warning(
+            "RCE check: %s logits but no fp32 reference (%s); using the relative fallback bound TOLERANCES[%s]",
+            found["dtype"],
+            missing,
+            found["dtype"],
+        )
     return found["stats"], found["dtype"]
 
 
-def rce_spot_check(module: torch.nn.Module, hf_model: torch.nn.Module, packed_logits: torch.Tensor,
-                   row_start: torch.Tensor, input_ids: Sequence[torch.Tensor], response_masks: Sequence[torch.Tensor],
-                   records: Sequence[Sequence[CallRecord]], chunk: int = 256, reference: bool = True,
-                   reference_tf32: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[str, ...]]:
+def rce_spot_check(
+    module: torch.nn.Module,
+    hf_model: torch.nn.Module,
+    packed_logits: torch.Tensor,
+    row_start: torch.Tensor,
+    input_ids: Sequence[torch.Tensor],
+    response_masks: Sequence[torch.Tensor],
+    records: Sequence[Sequence[CallRecord]],
+    chunk: int = 256,
+    reference: bool = True,
+    reference_tf32: bool = True,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[str, ...]]:
     """The in-training RCE check of one micro-batch (what the actor engine runs on an audit step).
 
     Args:
@@ -435,15 +513,15 @@ def rce_spot_check(module: torch.nn.Module, hf_model: torch.nn.Module, packed_lo
     calls = record_calls(records, input_ids, response_masks)
     device = packed_logits.device
     packed_index = row_start.to(device)[calls.row.to(device)] + calls.packed_pos.to(device)
-    tokens, dtype = alone_pass_stats(module, hf_model, packed_logits, packed_index, calls, chunk, reference,
-                                     reference_tf32)
+    tokens, dtype = alone_pass_stats(
+        module, hf_model, packed_logits, packed_index, calls, chunk, reference, reference_tf32
+    )
     stats, bound = per_call_stats(tokens, calls.call, len(calls.calls), dtype, calls.bad)
     rows: list[list[int]] = [[] for _ in input_ids]
     for i, (b, _) in enumerate(calls.calls):
         rows[b].append(i)
     pick = [torch.tensor(ix, dtype=torch.long, device=stats.device) for ix in rows]
     return [stats[ix].cpu() for ix in pick], [bound[ix].cpu() for ix in pick], calls.problems
-
 
 
 @dataclass(frozen=True)
@@ -469,9 +547,11 @@ class CallSummary:
         return self.failed == 0
 
     def text(self) -> str:
-        return (f"calls={self.calls} failed={self.failed} worst_diff_over_bound={self.worst_ratio:.3g} "
-                f"max_abs_diff={self.max_abs_diff:.3e} noise_floor={self.noise_floor:.3e} "
-                f"max_kl={self.max_kl:.3e} min_top1={self.min_top1:.4f} k_needed={self.floor_ratio:.3g}")
+        return (
+            f"calls={self.calls} failed={self.failed} worst_diff_over_bound={self.worst_ratio:.3g} "
+            f"max_abs_diff={self.max_abs_diff:.3e} noise_floor={self.noise_floor:.3e} "
+            f"max_kl={self.max_kl:.3e} min_top1={self.min_top1:.4f} k_needed={self.floor_ratio:.3g}"
+        )
 
 
 def summarize(stats: Sequence[torch.Tensor], bounds: Sequence[torch.Tensor]) -> CallSummary:
@@ -487,7 +567,14 @@ def summarize(stats: Sequence[torch.Tensor], bounds: Sequence[torch.Tensor]) -> 
     floor = s[:, 2]
     has_floor = ~torch.isnan(floor)
     usable = has_floor & (floor > 0) & torch.isfinite(audited)
-    return CallSummary(int(s.shape[0]), failed, float(ratio[worst]), float(b[worst]), float(s[:, 1].max()),
-                       float(floor[has_floor].max()) if has_floor.any() else float("nan"),
-                       float(s[:, 3].max()), float(s[:, 4].min()),
-                       float((audited[usable] / floor[usable]).max()) if usable.any() else float("nan"))
+    return CallSummary(
+        int(s.shape[0]),
+        failed,
+        float(ratio[worst]),
+        float(b[worst]),
+        float(s[:, 1].max()),
+        float(floor[has_floor].max()) if has_floor.any() else float("nan"),
+        float(s[:, 3].max()),
+        float(s[:, 4].min()),
+        float((audited[usable] / floor[usable]).max()) if usable.any() else float("nan"),
+    )

@@ -97,8 +97,10 @@ def _meta_copy(hf_model: nn.Module) -> nn.Module:
     on the ``meta`` device, in fp32, eval mode."""
     from transformers import PreTrainedModel
 
-    cls = next((c for c in type(hf_model).__mro__ if issubclass(c, PreTrainedModel) and not issubclass(c, _fsdp2_class())),
-               None)
+    cls = next(
+        (c for c in type(hf_model).__mro__ if issubclass(c, PreTrainedModel) and not issubclass(c, _fsdp2_class())),
+        None,
+    )
     if cls is None:
         raise Fp32ReferenceError(f"fp32 reference: {type(hf_model).__name__} is not a Hugging Face model")
     with torch.device("meta"):
@@ -136,8 +138,9 @@ def _full_fp32(p: torch.Tensor, device: torch.device, dtype: torch.dtype) -> tor
     if isinstance(p, DTensor):
         local = p.to_local()
         if local.device != device:
-            p = DTensor.from_local(local.to(device), p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                   stride=p.stride())
+            p = DTensor.from_local(
+                local.to(device), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
         p = p.full_tensor()
     return p.detach().to(device=device, dtype=dtype).float()
 
@@ -145,8 +148,15 @@ def _full_fp32(p: torch.Tensor, device: torch.device, dtype: torch.dtype) -> tor
 class _Filler:
     """Fills the meta replica's parameters of one unit from the sharded model, and empties them again."""
 
-    def __init__(self, replica: nn.Module, hf_model: nn.Module, wrapper: nn.Module, kind: str,
-                 device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        replica: nn.Module,
+        hf_model: nn.Module,
+        wrapper: nn.Module,
+        kind: str,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         self.replica, self.kind, self.device, self.dtype = replica, kind, device, dtype
         self.units = _units(hf_model, kind)
         self.root = wrapper if kind == "fsdp1" else hf_model
@@ -184,8 +194,9 @@ class _Filler:
                     out[name] = _full_fp32(p, self.device, self.dtype)
         missing = [n for n in wanted if n not in out]
         if missing:
-            raise Fp32ReferenceError(f"fp32 reference: the FSDP1 unit {unit or '<root>'!r} has no parameter "
-                                     f"{missing[0]!r}")
+            raise Fp32ReferenceError(
+                f"fp32 reference: the FSDP1 unit {unit or '<root>'!r} has no parameter {missing[0]!r}"
+            )
         return out
 
     def fill(self, unit: str) -> None:
@@ -213,8 +224,9 @@ def _buffers_from(replica: nn.Module, hf_model: nn.Module, device: torch.device)
 
 
 @contextmanager
-def fp32_replica(module: nn.Module, hf_model: nn.Module, dtype: torch.dtype,
-                 device: torch.device) -> Iterator[Optional[nn.Module]]:
+def fp32_replica(
+    module: nn.Module, hf_model: nn.Module, dtype: torch.dtype, device: torch.device
+) -> Iterator[Optional[nn.Module]]:
     """A module computing ``hf_model``'s forward in fp32 with its weights rounded to ``dtype`` (the
     low-precision pass's); ``module`` is the model as the engine calls it (FSDP1 wraps ``hf_model`` from
     outside; FSDP2 and no sharding: ``module is hf_model``). Unsharded: ``hf_model`` itself, upcast in place

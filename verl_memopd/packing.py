@@ -37,8 +37,14 @@ from verl_memopd.records import Episode, RecordError
 from verl_memopd.segments import LayoutError, SegmentMeta, segment_meta
 
 __all__ = [
-    "PackedRow", "pack_episode", "packed_rows_segments", "BatchLayout", "register_layout", "build_layout",
-    "layout_names", "PAD_ID",
+    "PackedRow",
+    "pack_episode",
+    "packed_rows_segments",
+    "BatchLayout",
+    "register_layout",
+    "build_layout",
+    "layout_names",
+    "PAD_ID",
 ]
 
 #: Token id used to right-pad rows of padded layouts. Any id works: right padding is never
@@ -137,21 +143,25 @@ class BatchLayout:
         for name in ("input_ids", "position_ids", "valid_mask", "action_mask", "teacher_mask"):
             if len(shape) != 2 or tuple(getattr(self, name).shape) != shape:
                 raise LayoutError(f"layout {self.name!r}: {name} must have the (B, L) shape {shape}")
-        b, l = shape
-        if self.segments.num_tokens != b * l:
-            raise LayoutError(f"layout {self.name!r}: segments cover {self.segments.num_tokens} tokens, "
-                              f"not B*L = {b * l}")
+        b, length = shape
+        if self.segments.num_tokens != b * length:
+            raise LayoutError(
+                f"layout {self.name!r}: segments cover {self.segments.num_tokens} tokens, not B*L = {b * length}"
+            )
         if (self.teacher_mask & ~self.action_mask).any():
             raise LayoutError(f"layout {self.name!r}: teacher_mask must satisfy m_T <= m_act")
         index = self.action_mask.reshape(-1).nonzero().squeeze(1)
         if tuple(self.action_origin.shape) != (index.numel(), 3):
-            raise LayoutError(f"layout {self.name!r}: action_origin has shape {tuple(self.action_origin.shape)}, "
-                              f"expected ({index.numel()}, 3)")
+            raise LayoutError(
+                f"layout {self.name!r}: action_origin has shape {tuple(self.action_origin.shape)}, "
+                f"expected ({index.numel()}, 3)"
+            )
         self._check_predictors(index)
         object.__setattr__(self, "action_index", index)
         object.__setattr__(self, "action_ids", self.input_ids.reshape(-1)[index + 1])
         rows_plain = self.segments.keys_are_queries and torch.equal(
-            self.segments.cu_seqlens_q.long(), torch.arange(b + 1) * l)
+            self.segments.cu_seqlens_q.long(), torch.arange(b + 1) * length
+        )
         object.__setattr__(self, "needs_segment_attention", not rows_plain)
 
     def _check_predictors(self, index: torch.Tensor) -> None:
@@ -170,7 +180,8 @@ class BatchLayout:
             e, c, k = self.action_origin[a].tolist()
             raise LayoutError(
                 f"layout {self.name!r}: action token (episode {e}, call {c}, k {k}) would be predicted from stream "
-                f"position {int(index[a])}, which is not the last token of its own state (a leak between calls)")
+                f"position {int(index[a])}, which is not the last token of its own state (a leak between calls)"
+            )
 
 
 class _Row(NamedTuple):
@@ -188,8 +199,14 @@ def _episode_row(ep: Episode, e: int) -> _Row:
     row = pack_episode(ep)
     p = ep.prefix_len
     origin = [(e, t, k) for t, inv in enumerate(ep.invocations) for k, m in enumerate(inv.action_mask) if m]
-    return _Row(list(row.prompt_ids + row.response_ids), list(row.position_ids), list(row.segment_ids),
-                [0] * p + list(row.response_mask), [0] * p + list(row.teacher_mask), origin)
+    return _Row(
+        list(row.prompt_ids + row.response_ids),
+        list(row.position_ids),
+        list(row.segment_ids),
+        [0] * p + list(row.response_mask),
+        [0] * p + list(row.teacher_mask),
+        origin,
+    )
 
 
 def _plain(row: _Row) -> _Row:
@@ -203,8 +220,18 @@ def _calls(row: _Row, ep: Episode) -> list[_Row]:
     for t, inv in enumerate(ep.invocations):
         idx = list(range(p)) + [j for j, s in enumerate(row.seg) if s == t + 1]
         n_act = sum(inv.action_mask)
-        out.append(_plain(_Row([row.ids[j] for j in idx], [], [], [row.act[j] for j in idx],
-                               [row.teach[j] for j in idx], origin[:n_act])))
+        out.append(
+            _plain(
+                _Row(
+                    [row.ids[j] for j in idx],
+                    [],
+                    [],
+                    [row.act[j] for j in idx],
+                    [row.teach[j] for j in idx],
+                    origin[:n_act],
+                )
+            )
+        )
         origin = origin[n_act:]
     return out
 
@@ -214,11 +241,13 @@ _LAYOUTS: dict[str, tuple[Callable[[Sequence[Episode]], list[_Row]], bool]] = {}
 
 def register_layout(name: str, padded: bool) -> Callable:
     """Register ``fn(episodes) -> rows`` as layout ``name``; ``padded`` rows become (B, L), else one stream."""
+
     def deco(fn: Callable[[Sequence[Episode]], list[_Row]]) -> Callable:
         if name in _LAYOUTS:
             raise ValueError(f"layout {name!r} is already registered")
         _LAYOUTS[name] = (fn, padded)
         return fn
+
     return deco
 
 
@@ -262,18 +291,20 @@ def build_layout(name: str, episodes: Sequence[Episode], vocab_size: Optional[in
 def _assemble(name: str, rows: list[_Row], padded: bool) -> BatchLayout:
     lens = [len(r.ids) for r in rows]
     if padded:
-        b, l = len(rows), max(lens)
-        out = {k: torch.zeros(b, l, dtype=torch.long) for k in ("ids", "seg", "act", "teach")}
+        b, length = len(rows), max(lens)
+        out = {k: torch.zeros(b, length, dtype=torch.long) for k in ("ids", "seg", "act", "teach")}
         out["ids"].fill_(PAD_ID)
-        out["pos"] = torch.arange(l).repeat(b, 1)
-        valid = torch.arange(l) < torch.tensor(lens).unsqueeze(1)
+        out["pos"] = torch.arange(length).repeat(b, 1)
+        valid = torch.arange(length) < torch.tensor(lens).unsqueeze(1)
         for i, r in enumerate(rows):
             for k in ("ids", "pos", "seg", "act", "teach"):
                 out[k][i, : lens[i]] = torch.tensor(getattr(r, k))
-        row_ids = torch.arange(b).unsqueeze(1).expand(b, l)
+        row_ids = torch.arange(b).unsqueeze(1).expand(b, length)
     else:
-        out = {k: torch.tensor([x for r in rows for x in getattr(r, k)]).unsqueeze(0)
-               for k in ("ids", "pos", "seg", "act", "teach")}
+        out = {
+            k: torch.tensor([x for r in rows for x in getattr(r, k)]).unsqueeze(0)
+            for k in ("ids", "pos", "seg", "act", "teach")
+        }
         valid = torch.ones_like(out["ids"], dtype=torch.bool)
         row_ids = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lens)).unsqueeze(0)
     pred = {k: torch.zeros_like(out[k], dtype=torch.bool) for k in ("act", "teach")}

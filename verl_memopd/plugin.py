@@ -54,8 +54,10 @@ def registered() -> dict[str, bool]:
     return {
         f"agent_loop:{AGENT_NAME}": AGENT_NAME in _agent_loop_registry,
         "trainer:memopd": "memopd" in TRAINER_REGISTRY,
-        **{f"engine:{m}": m in EngineRegistry._engines for m in ("memopd_language_model", "memopd_value_model",
-                                                                  "memopd_teacher")},
+        **{
+            f"engine:{m}": m in EngineRegistry._engines
+            for m in ("memopd_language_model", "memopd_value_model", "memopd_teacher")
+        },
         "platform:cpu": PlatformRegistry.get("cpu") is PlatformCPU,
         "engine:language_model/fsdp2/cpu": "cpu" in EngineRegistry._engines["language_model"]["fsdp2"],
         "engine:value_model/fsdp2/cpu": "cpu" in EngineRegistry._engines["value_model"]["fsdp2"],

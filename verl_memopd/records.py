@@ -98,8 +98,7 @@ class Invocation:
             raise RecordError(f"{where}: response_ids is empty (an invocation must sample a token)")
         if len(self.response_logprobs) != n:
             raise RecordError(
-                f"{where}: response_logprobs has {len(self.response_logprobs)} entries, "
-                f"response_ids has {n}"
+                f"{where}: response_logprobs has {len(self.response_logprobs)} entries, response_ids has {n}"
             )
         for i, lp in enumerate(self.response_logprobs):
             if not math.isfinite(lp) or lp > 1e-6:
@@ -111,7 +110,9 @@ class Invocation:
                 raise RecordError(f"{where}: {name} has {len(mask)} entries, response_ids has {n}")
         bad = [i for i in range(n) if teach[i] and not act[i]]
         if bad:
-            raise RecordError(f"{where}: teacher_mask must satisfy m_T <= m_act, violated at response positions {bad[:8]}")
+            raise RecordError(
+                f"{where}: teacher_mask must satisfy m_T <= m_act, violated at response positions {bad[:8]}"
+            )
         set_(self, "action_mask", act)
         set_(self, "teacher_mask", teach)
         if self.memory_span is not None:
@@ -175,8 +176,10 @@ class Episode:
             if not isinstance(inv, Invocation):
                 raise RecordError(f"{where} call {t}: is a {type(inv).__name__}, not an Invocation")
             if inv.prompt_ids[:p] != self.prefix_ids:
-                first = next((i for i in range(min(p, len(inv.prompt_ids)))
-                              if inv.prompt_ids[i] != self.prefix_ids[i]), min(p, len(inv.prompt_ids)))
+                first = next(
+                    (i for i in range(min(p, len(inv.prompt_ids))) if inv.prompt_ids[i] != self.prefix_ids[i]),
+                    min(p, len(inv.prompt_ids)),
+                )
                 raise RecordError(
                     f"{where} call {t}: prompt_ids does not start with the shared prefix q "
                     f"(first difference at token {first}; the prefix must be identical in every call)"
@@ -190,7 +193,7 @@ class Episode:
 
     def context_ids(self, t: int) -> tuple[int, ...]:
         """``x_t``: the call-specific part of call ``t``'s input (after ``q``)."""
-        return self.invocations[t].prompt_ids[self.prefix_len:]
+        return self.invocations[t].prompt_ids[self.prefix_len :]
 
     def validate_vocab(self, vocab_size: int) -> None:
         """Raise RecordError if any token id is outside ``[0, vocab_size)``."""
@@ -224,8 +227,12 @@ class Episode:
             except TypeError as e:
                 raise RecordError(f"episode {eid!r} call {t}: {e}") from None
         return cls(
-            episode_id=str(eid), uid=str(d["uid"]), prefix_ids=d["prefix_ids"], invocations=tuple(invs),
-            reward=d.get("reward"), extra=d.get("extra") or {},
+            episode_id=str(eid),
+            uid=str(d["uid"]),
+            prefix_ids=d["prefix_ids"],
+            invocations=tuple(invs),
+            reward=d.get("reward"),
+            extra=d.get("extra") or {},
         )
 
 

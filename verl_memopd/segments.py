@@ -82,13 +82,18 @@ class SegmentMeta:
 
     def __post_init__(self) -> None:
         cq, ck, ki = self.cu_seqlens_q, self.cu_seqlens_k, self.key_index
-        for name, t, dt in (("cu_seqlens_q", cq, torch.int32), ("cu_seqlens_k", ck, torch.int32),
-                            ("key_index", ki, torch.int64)):
+        for name, t, dt in (
+            ("cu_seqlens_q", cq, torch.int32),
+            ("cu_seqlens_k", ck, torch.int32),
+            ("key_index", ki, torch.int64),
+        ):
             if t.dtype != dt or t.dim() != 1:
                 raise LayoutError(f"SegmentMeta.{name} must be 1-D {dt}, got {t.dtype} with shape {tuple(t.shape)}")
         if cq.numel() != ck.numel() or cq.numel() < 2 or cq[0] != 0 or ck[0] != 0:
-            raise LayoutError(f"SegmentMeta: cu_seqlens_q/k must both be (S + 1,) with S >= 1, starting at 0; "
-                              f"got {cq.numel()} and {ck.numel()} entries")
+            raise LayoutError(
+                f"SegmentMeta: cu_seqlens_q/k must both be (S + 1,) with S >= 1, starting at 0; "
+                f"got {cq.numel()} and {ck.numel()} entries"
+            )
         lq, lk = cq.diff().long(), ck.diff().long()
         n = int(cq[-1])
         if (lq <= 0).any() or (lk < lq).any():
@@ -96,13 +101,17 @@ class SegmentMeta:
         if ki.numel() != int(ck[-1]) or (ki.numel() and (ki.min() < 0 or ki.max() >= n)):
             raise LayoutError(f"SegmentMeta.key_index must hold cu_seqlens_k[-1] = {int(ck[-1])} indices in [0, {n})")
         if (self.max_seqlen_q, self.max_seqlen_k) != (int(lq.max()), int(lk.max())):
-            raise LayoutError(f"SegmentMeta: max_seqlen_q/k = {self.max_seqlen_q}/{self.max_seqlen_k}, "
-                              f"segments say {int(lq.max())}/{int(lk.max())}")
+            raise LayoutError(
+                f"SegmentMeta: max_seqlen_q/k = {self.max_seqlen_q}/{self.max_seqlen_k}, "
+                f"segments say {int(lq.max())}/{int(lk.max())}"
+            )
         seg_of_tok = torch.repeat_interleave(torch.arange(lq.numel(), device=lq.device), lq)
         own_slot = (ck[1:] - cq[1:]).long()[seg_of_tok] + torch.arange(n, device=lq.device)
         if not torch.equal(ki[own_slot], torch.arange(n, device=ki.device)):
-            raise LayoutError("SegmentMeta: the last Lq keys of a segment must be its own queries, in order "
-                              "(bottom-right causal alignment)")
+            raise LayoutError(
+                "SegmentMeta: the last Lq keys of a segment must be its own queries, in order "
+                "(bottom-right causal alignment)"
+            )
 
     @cached_property
     def keys_are_queries(self) -> bool:
@@ -133,8 +142,13 @@ class SegmentMeta:
         return vis
 
     def to(self, device: torch.device | str) -> "SegmentMeta":
-        return SegmentMeta(self.cu_seqlens_q.to(device), self.cu_seqlens_k.to(device), self.key_index.to(device),
-                           self.max_seqlen_q, self.max_seqlen_k)
+        return SegmentMeta(
+            self.cu_seqlens_q.to(device),
+            self.cu_seqlens_k.to(device),
+            self.key_index.to(device),
+            self.max_seqlen_q,
+            self.max_seqlen_k,
+        )
 
 
 def _runs(seg: torch.Tensor, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,11 +169,13 @@ def _check_run_order(run_seg: torch.Tensor, run_row: torch.Tensor, row_idx: torc
         i = int(bad[0]) + 1
         raise LayoutError(
             f"row {int(rid[i])}: segment {int(rs[i])} follows segment {int(rs[i - 1])}; segments must be single "
-            f"contiguous runs in increasing order (a split or repeated segment would merge two calls' states)")
+            f"contiguous runs in increasing order (a split or repeated segment would merge two calls' states)"
+        )
 
 
-def segment_meta(segment_ids: torch.Tensor, row_ids: torch.Tensor,
-                 position_ids: Optional[torch.Tensor] = None) -> SegmentMeta:
+def segment_meta(
+    segment_ids: torch.Tensor, row_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None
+) -> SegmentMeta:
     """Attention metadata for a stream of N tokens from per-token segment and row ids (vectorised).
 
     Args:
@@ -175,8 +191,10 @@ def segment_meta(segment_ids: torch.Tensor, row_ids: torch.Tensor,
     seg = torch.as_tensor(segment_ids).long().cpu()
     row = torch.as_tensor(row_ids).long().cpu()
     if seg.dim() != 1 or seg.shape != row.shape or seg.numel() == 0:
-        raise LayoutError(f"segment_ids and row_ids must be equal non-empty 1-D tensors, got "
-                          f"{tuple(seg.shape)} and {tuple(row.shape)}")
+        raise LayoutError(
+            f"segment_ids and row_ids must be equal non-empty 1-D tensors, got "
+            f"{tuple(seg.shape)} and {tuple(row.shape)}"
+        )
     if (seg < PAD_SEGMENT).any():
         raise LayoutError(f"segment_ids must be >= {PAD_SEGMENT}, found {int(seg.min())}")
     starts, lengths = _runs(seg, row)
@@ -190,8 +208,10 @@ def segment_meta(segment_ids: torch.Tensor, row_ids: torch.Tensor,
     orphan = (is_block & (p_start[row_idx] < 0)).nonzero()
     if orphan.numel():
         i = int(orphan[0])
-        raise LayoutError(f"row {int(run_row[i])} segment {int(run_seg[i])} (call {int(run_seg[i]) - 1}) has no "
-                          f"shared prefix (segment 0) in its row")
+        raise LayoutError(
+            f"row {int(run_row[i])} segment {int(run_seg[i])} (call {int(run_seg[i]) - 1}) has no "
+            f"shared prefix (segment 0) in its row"
+        )
     lp = torch.where(is_block, p_len[row_idx], 0)
     ps = torch.where(is_block, p_start[row_idx], 0)
     if position_ids is not None:
@@ -204,8 +224,14 @@ def segment_meta(segment_ids: torch.Tensor, row_ids: torch.Tensor,
     return SegmentMeta(_cu(lengths).int(), cu_k.int(), key_index, int(lengths.max()), int(lk.max()))
 
 
-def _check_positions(pos: torch.Tensor, seg: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
-                     lp: torch.Tensor, run_row: torch.Tensor) -> None:
+def _check_positions(
+    pos: torch.Tensor,
+    seg: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    lp: torch.Tensor,
+    run_row: torch.Tensor,
+) -> None:
     if pos.shape != seg.shape:
         raise LayoutError(f"position_ids has shape {tuple(pos.shape)}, segment_ids {tuple(seg.shape)}")
     run_of_tok = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
@@ -217,11 +243,16 @@ def _check_positions(pos: torch.Tensor, seg: torch.Tensor, starts: torch.Tensor,
         raise LayoutError(
             f"row {r} segment {s}: position_ids[{j}] = {int(pos[j])}, expected {int(expected[j])} (q counts from 0 "
             f"and every call block continues from len(q); other positions would merge segments or shift RoPE -- "
-            f"were restored positions recomputed as 0..L-1?)")
+            f"were restored positions recomputed as 0..L-1?)"
+        )
 
 
-def padded_batch_segments(segment_ids: torch.Tensor, attention_mask: torch.Tensor,
-                          position_ids: Optional[torch.Tensor] = None, unpad: bool = False) -> SegmentMeta:
+def padded_batch_segments(
+    segment_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: Optional[torch.Tensor] = None,
+    unpad: bool = False,
+) -> SegmentMeta:
     """Metadata for a padded verl micro-batch (left-padded prompt, right-padded response).
 
     Args:
@@ -232,8 +263,10 @@ def padded_batch_segments(segment_ids: torch.Tensor, attention_mask: torch.Tenso
             True -> for the stream of real tokens in row-major order (verl's remove-padding stream).
     """
     if segment_ids.dim() != 2 or segment_ids.shape != attention_mask.shape:
-        raise LayoutError(f"segment_ids and attention_mask must be equal (B, L) tensors, got "
-                          f"{tuple(segment_ids.shape)} and {tuple(attention_mask.shape)}")
+        raise LayoutError(
+            f"segment_ids and attention_mask must be equal (B, L) tensors, got "
+            f"{tuple(segment_ids.shape)} and {tuple(attention_mask.shape)}"
+        )
     real = attention_mask.bool().cpu()
     seg = torch.where(real, segment_ids.long().cpu(), PAD_SEGMENT)
     row = torch.arange(seg.shape[0]).unsqueeze(1).expand_as(seg)

@@ -108,7 +108,9 @@ class VocabSpec:
         eos += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
         pairs = json.dumps(sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]), ensure_ascii=False)
         digest = hashlib.sha256(pairs.encode()).hexdigest()
-        return cls(name, len(tokenizer), int(config.vocab_size), tuple(sorted(set(eos))), tokenizer.pad_token_id, digest)
+        return cls(
+            name, len(tokenizer), int(config.vocab_size), tuple(sorted(set(eos))), tokenizer.pad_token_id, digest
+        )
 
 
 def check_vocab_agreement(student: VocabSpec, teacher: VocabSpec) -> int:
@@ -248,8 +250,6 @@ def get_transport(name: str, **options: Any) -> Transport:
     return TRANSPORTS.build(name, **options)
 
 
-
-
 @register_transport("hidden")
 @dataclass(frozen=True)
 class HiddenTransport(Transport):
@@ -296,7 +296,9 @@ class TopKTransport(Transport):
 
     def __post_init__(self) -> None:
         if self.k < 1 or self.token_chunk_size < 1:
-            raise SupervisionError(f"topk transport: k = {self.k} and token_chunk_size = {self.token_chunk_size} must be >= 1")
+            raise SupervisionError(
+                f"topk transport: k = {self.k} and token_chunk_size = {self.token_chunk_size} must be >= 1"
+            )
 
     def encode(self, hidden, head_weight, vocab_size, temperature):
         _check_head("topk transport", head_weight, vocab_size, hidden.shape[-1])
@@ -332,13 +334,20 @@ def nest_payload(payload: Mapping[str, torch.Tensor], row_counts: torch.Tensor) 
     out = {}
     for key, value in payload.items():
         if value.shape[0] != int(offsets[-1]):
-            raise SupervisionError(f"nest_payload: {key} has {value.shape[0]} rows, row_counts sum to {int(offsets[-1])}")
+            raise SupervisionError(
+                f"nest_payload: {key} has {value.shape[0]} rows, row_counts sum to {int(offsets[-1])}"
+            )
         out[key] = torch.nested.nested_tensor_from_jagged(value, offsets=offsets)
     return out
 
 
-def encode_teacher_rows(transport: Transport, rows: list[torch.Tensor], head_weight: Optional[torch.Tensor],
-                        vocab_size: int, temperature: float | torch.Tensor) -> dict[str, torch.Tensor]:
+def encode_teacher_rows(
+    transport: Transport,
+    rows: list[torch.Tensor],
+    head_weight: Optional[torch.Tensor],
+    vocab_size: int,
+    temperature: float | torch.Tensor,
+) -> dict[str, torch.Tensor]:
     """The teacher engine's output for one micro-batch: each row's final hidden states at its m_T
     positions, ``rows[b]`` (A_b, H_t), encoded by ``transport`` -> jagged payload (B, A_b*, ...).
 

@@ -76,8 +76,13 @@ class RayNode:
     def __init__(self, name: str, args: list[str], temp_dir: Path, env: dict, log: Path):
         self.name, self.temp_dir, self.log = name, temp_dir, log
         temp_dir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen([*RAY, "start", "--block", f"--temp-dir={temp_dir}", *args], env=env,
-                                     stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [*RAY, "start", "--block", f"--temp-dir={temp_dir}", *args],
+            env=env,
+            stdout=log.open("a"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def pids(self) -> list[int]:
         """Live processes of this node: its process group, their descendants, any naming its temp dir."""
@@ -125,8 +130,9 @@ def ray_cli(args: list[str], env: dict, timeout_s: float = 120) -> tuple[str, st
     """Run a ``ray`` CLI command; (stdout, stderr) -- the CLI writes its messages to stderr."""
     done = subprocess.run([*RAY, *args], env=env, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
-        raise RuntimeError(f"ray {' '.join(args[:3])} failed ({done.returncode}):\n"
-                           f"{done.stdout[-2000:]}{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"ray {' '.join(args[:3])} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
+        )
     return done.stdout, done.stderr
 
 
@@ -154,8 +160,14 @@ class LoopbackCluster:
         self.env = env
         gcs_port, dash, client = self.head_ports = free_ports(3)
         self.gcs, self.dashboard = f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dash}"
-        self.head_args = ["--head", f"--port={gcs_port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-                          f"--ray-client-server-port={client}", "--include-dashboard=true"]
+        self.head_args = [
+            "--head",
+            f"--port={gcs_port}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}",
+            f"--ray-client-server-port={client}",
+            "--include-dashboard=true",
+        ]
         self.nodes: list[RayNode] = []
         self.jobs: list[str] = []
         self.followers: list[subprocess.Popen] = []
@@ -165,22 +177,37 @@ class LoopbackCluster:
         # by the jobs' workers (its dashboard agent then fails to bind and the raylet exits with it); never the
         # head's, which its dashboard may not have bound yet (Ray refuses two components on one port)
         listen, grpc, runtime_env, metrics = free_ports(4, frozenset(self.head_ports))
-        return ["--node-ip-address=127.0.0.1", f"--num-cpus={NODE_CPUS}", "--num-gpus=1",
-                f"--resources={json.dumps({f'memopd_node_{i}': 1})}", f"--dashboard-agent-listen-port={listen}",
-                f"--dashboard-agent-grpc-port={grpc}", f"--runtime-env-agent-port={runtime_env}",
-                f"--metrics-export-port={metrics}", "--disable-usage-stats"]
+        return [
+            "--node-ip-address=127.0.0.1",
+            f"--num-cpus={NODE_CPUS}",
+            "--num-gpus=1",
+            f"--resources={json.dumps({f'memopd_node_{i}': 1})}",
+            f"--dashboard-agent-listen-port={listen}",
+            f"--dashboard-agent-grpc-port={grpc}",
+            f"--runtime-env-agent-port={runtime_env}",
+            f"--metrics-export-port={metrics}",
+            "--disable-usage-stats",
+        ]
 
     def start_head(self, wait: bool = True) -> None:
-        self.nodes.append(RayNode("head", [*self.head_args, *self._node_args(0)], self.short / "head", self.env,
-                                  self.tmp / "ray_head.log"))
+        self.nodes.append(
+            RayNode(
+                "head", [*self.head_args, *self._node_args(0)], self.short / "head", self.env, self.tmp / "ray_head.log"
+            )
+        )
         if wait:
             self.wait_nodes(1)
 
     def start_second(self) -> RayNode:
         """Start (or restart) the second node without waiting for it (see ``wait_nodes``)."""
         slot = len(self.nodes)
-        node = RayNode(f"second{slot}", [f"--address={self.gcs}", *self._node_args(1)], self.short / f"second{slot}",
-                       self.env, self.tmp / f"ray_second{slot}.log")
+        node = RayNode(
+            f"second{slot}",
+            [f"--address={self.gcs}", *self._node_args(1)],
+            self.short / f"second{slot}",
+            self.env,
+            self.tmp / f"ray_second{slot}.log",
+        )
         self.nodes.append(node)
         return node
 
@@ -193,10 +220,16 @@ class LoopbackCluster:
         deadline = time.monotonic() + timeout_s
         wanted = {f"memopd_node_{i}" for i in range(n)}
         while True:
-            done = subprocess.run([*RAY, "list", "nodes", "--address", self.dashboard, "--format", "json", "--detail"],
-                                  env=self.env, capture_output=True, text=True)
+            done = subprocess.run(
+                [*RAY, "list", "nodes", "--address", self.dashboard, "--format", "json", "--detail"],
+                env=self.env,
+                capture_output=True,
+                text=True,
+            )
             try:  # prints "No resource in the cluster" instead of [] while the cluster is empty
-                nodes = [x for x in json.loads(done.stdout) if x.get("state") == "ALIVE"] if done.returncode == 0 else []
+                nodes = (
+                    [x for x in json.loads(done.stdout) if x.get("state") == "ALIVE"] if done.returncode == 0 else []
+                )
             except json.JSONDecodeError:
                 nodes = []
             nodes = [x for x in nodes if x["node_id"] not in exclude]
@@ -206,9 +239,11 @@ class LoopbackCluster:
             exited = newest.proc.poll()
             if exited is not None or time.monotonic() > deadline:
                 why = f"`ray start` of {newest.name} exited {exited}" if exited is not None else f"after {timeout_s}s"
-                raise TimeoutError(f"{len(nodes)} of {n} Ray nodes alive ({why}): {self.markers(nodes)} "
-                                   f"{done.stderr[-1000:]}\n{newest.name}'s log ({newest.log}):\n"
-                                   f"{tail(newest.log.read_text(errors='replace'), 40)}")
+                raise TimeoutError(
+                    f"{len(nodes)} of {n} Ray nodes alive ({why}): {self.markers(nodes)} "
+                    f"{done.stderr[-1000:]}\n{newest.name}'s log ({newest.log}):\n"
+                    f"{tail(newest.log.read_text(errors='replace'), 40)}"
+                )
             time.sleep(3)
 
     @staticmethod
@@ -234,8 +269,9 @@ class LoopbackCluster:
         return self.nodes[0].temp_dir / "session_latest" / "logs" / f"job-driver-{job_id}.log"
 
     @staticmethod
-    def wait_until(condition: Callable[[], bool], timeout_s: float, follower: subprocess.Popen,
-                   poll_s: float = 0.25) -> bool:
+    def wait_until(
+        condition: Callable[[], bool], timeout_s: float, follower: subprocess.Popen, poll_s: float = 0.25
+    ) -> bool:
         """True as soon as ``condition()`` holds; False once ``follower`` (the job) has ended or ``timeout_s``
         passed without it."""
         deadline = time.monotonic() + timeout_s
@@ -245,8 +281,9 @@ class LoopbackCluster:
             time.sleep(poll_s)
         return condition()
 
-    def wait_job(self, job_id: str, timeout_s: float, follower: subprocess.Popen | None = None,
-                 ask_every_s: float = 60) -> tuple[str, str]:
+    def wait_job(
+        self, job_id: str, timeout_s: float, follower: subprocess.Popen | None = None, ask_every_s: float = 60
+    ) -> tuple[str, str]:
         """Wait until the job ends (its ``follower`` exits or the cluster says so) or ``timeout_s`` passes;
         then (status, CLI answer) from the cluster."""
         start = time.monotonic()
@@ -276,19 +313,43 @@ class LoopbackCluster:
         """Ray's task records (name, node_id, ...) of the submission ``job_id``."""
         jobs = json.loads(ray_cli(["list", "jobs", "--address", self.dashboard, "--format", "json"], self.env)[0])
         ray_job = next(j["job_id"] for j in jobs if j.get("submission_id") == job_id)
-        return json.loads(ray_cli(["list", "tasks", "--address", self.dashboard, "--detail", "--format", "json",
-                                   "--limit", "10000", "--filter", f"job_id={ray_job}"], self.env)[0])
+        return json.loads(
+            ray_cli(
+                [
+                    "list",
+                    "tasks",
+                    "--address",
+                    self.dashboard,
+                    "--detail",
+                    "--format",
+                    "json",
+                    "--limit",
+                    "10000",
+                    "--filter",
+                    f"job_id={ray_job}",
+                ],
+                self.env,
+            )[0]
+        )
 
     def actors(self) -> list[dict]:
         """Ray's actor records (class_name, node_id, ...), finished jobs' dead actors included."""
-        return json.loads(ray_cli(["list", "actors", "--address", self.dashboard, "--detail", "--format", "json",
-                                   "--limit", "10000"], self.env)[0])
+        return json.loads(
+            ray_cli(
+                ["list", "actors", "--address", self.dashboard, "--detail", "--format", "json", "--limit", "10000"],
+                self.env,
+            )[0]
+        )
 
     def close(self) -> None:
         """Stop the jobs, the followers and both nodes (by process id); remove Ray's session dirs."""
         for job_id in self.jobs:
-            subprocess.run([*RAY, "job", "stop", job_id, "--address", self.dashboard, "--no-wait"], env=self.env,
-                           capture_output=True, timeout=60)
+            subprocess.run(
+                [*RAY, "job", "stop", job_id, "--address", self.dashboard, "--no-wait"],
+                env=self.env,
+                capture_output=True,
+                timeout=60,
+            )
         for proc in self.followers:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -40,8 +40,14 @@ class CallContext:
         where: names the row in errors.
     """
 
-    def __init__(self, tokenizer: Any, prompt: Sequence[dict], prompts: MemoryPrompts,
-                 chat_template_kwargs: dict | None = None, where: str = "row ?"):
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt: Sequence[dict],
+        prompts: MemoryPrompts,
+        chat_template_kwargs: dict | None = None,
+        where: str = "row ?",
+    ):
         self.tokenizer, self.prompts, self.where = tokenizer, prompts, where
         self.prompt = [dict(m) for m in prompt]
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
@@ -66,16 +72,19 @@ class CallContext:
                 f"{self.where}: the chat template renders the prompt differently once a message follows it, "
                 "so the prefix q could not be identical in every call"
             )
-        parts = full[len(self._prefix_text):].split(MEMORY_PLACEHOLDER)
+        parts = full[len(self._prefix_text) :].split(MEMORY_PLACEHOLDER)
         if len(parts) != 2:
-            raise ValueError(f"{self.where}: the chat template altered the call message (memory slot found "
-                             f"{len(parts) - 1} times, expected once)")
+            raise ValueError(
+                f"{self.where}: the chat template altered the call message (memory slot found "
+                f"{len(parts) - 1} times, expected once)"
+            )
         head, tail = parts
         return self._encode(head) + (tuple(memory_ids) or self._empty_ids) + self._encode(tail)
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs)
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs
+        )
 
     def _encode(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False))

@@ -72,9 +72,7 @@ from verl_memopd.tasks.dataset import AGENT_NAME, TaskRow, parse_row
 from verl_memopd.tasks.prompts import CALL_FIELDS, DATA_FIELDS, MemoryPrompts, parse_answers
 from verl_memopd.tasks.reward import answer_recall, score_answers
 
-__all__ = ["MemoryAgentConfig", "MemoryAgentLoop", "EPISODE", "POSITION_IDS", "SEGMENT_IDS",
-           "TEACHER_MASK"]
-
+__all__ = ["MemoryAgentConfig", "MemoryAgentLoop", "EPISODE", "POSITION_IDS", "SEGMENT_IDS", "TEACHER_MASK"]
 
 
 @dataclass(frozen=True)
@@ -111,7 +109,8 @@ class MemoryAgentConfig:
                     f"memopd.agent.prompts.{key}: not a run-time option -- the agent reads q (the task text and "
                     f"the questions) from the dataset row's `prompt`, written when the data is built "
                     f"(python -m verl_memopd.tasks convert --task TEXT; MemoryPrompts.{key} in "
-                    f"verl_memopd/tasks/prompts.py); run-time keys: {list(CALL_FIELDS)}")
+                    f"verl_memopd/tasks/prompts.py); run-time keys: {list(CALL_FIELDS)}"
+                )
         bad = sorted(set(prompts) - set(CALL_FIELDS))
         if bad:
             raise ValueError(f"memopd.agent.prompts: unknown keys {bad}; valid: {sorted(CALL_FIELDS)}")
@@ -132,8 +131,11 @@ class MemoryAgentLoop(AgentLoopBase):
         self.agent_config = MemoryAgentConfig.from_mapping(self.config.get("memopd", {}).get("agent"))
         eos = self.tokenizer.eos_token_id
         model_path = self.config.get("actor_rollout_ref", {}).get("model", {}).get("path")
-        self.stop_ids = (frozenset(self.agent_config.stop_token_ids) | ({eos} if eos is not None else set())
-                         | (_generation_eos_ids(str(model_path)) if model_path else frozenset()))
+        self.stop_ids = (
+            frozenset(self.agent_config.stop_token_ids)
+            | ({eos} if eos is not None else set())
+            | (_generation_eos_ids(str(model_path)) if model_path else frozenset())
+        )
         if not self.stop_ids:
             raise ValueError("memory agent: the tokenizer has no eos token and memopd.agent.stop_token_ids is empty")
 
@@ -146,22 +148,37 @@ class MemoryAgentLoop(AgentLoopBase):
 
     async def _run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         task = parse_row(kwargs.get("extra_info"), kwargs.get("reward_model"))
-        ctx = CallContext(self.tokenizer, kwargs["raw_prompt"], self.agent_config.prompts,
-                          self.apply_chat_template_kwargs, where=task.where)
+        ctx = CallContext(
+            self.tokenizer,
+            kwargs["raw_prompt"],
+            self.agent_config.prompts,
+            self.apply_chat_template_kwargs,
+            where=task.where,
+        )
         request_id, calls, versions, t0 = uuid4().hex, [], [], time.perf_counter()
         memory: tuple[int, ...] = ()
         for t, chunk in enumerate(task.chunks):
             context = ctx.memory_call(memory, chunk, t, len(task.chunks))
-            call, version = await self._call(request_id, ctx.prefix_ids + context, self.agent_config.memory_tokens,
-                                             self._seeded(sampling_params, task, kwargs, t), keeps_memory=True,
-                                             where=f"{task.where} call {t}")
+            call, version = await self._call(
+                request_id,
+                ctx.prefix_ids + context,
+                self.agent_config.memory_tokens,
+                self._seeded(sampling_params, task, kwargs, t),
+                keeps_memory=True,
+                where=f"{task.where} call {t}",
+            )
             calls.append(call)
             versions.append(version)
             memory = call.memory_ids
         n = len(task.chunks)
-        call, version = await self._call(request_id, ctx.prefix_ids + ctx.answer_call(memory),
-                                         self.agent_config.answer_tokens, self._seeded(sampling_params, task, kwargs, n),
-                                         keeps_memory=False, where=f"{task.where} call {n}")
+        call, version = await self._call(
+            request_id,
+            ctx.prefix_ids + ctx.answer_call(memory),
+            self.agent_config.answer_tokens,
+            self._seeded(sampling_params, task, kwargs, n),
+            keeps_memory=False,
+            where=f"{task.where} call {n}",
+        )
         calls.append(call)
         versions.append(version)
         generate_s = time.perf_counter() - t0
@@ -175,8 +192,15 @@ class MemoryAgentLoop(AgentLoopBase):
         key = f"{self.rollout_config.get('seed', 0)}|{task.where}|{int(step)}|{int(sample)}|{call}"
         return {**sampling_params, "seed": request_seed(key)}
 
-    async def _call(self, request_id: str, prompt_ids: tuple[int, ...], budget: int, sampling_params: dict,
-                    keeps_memory: bool, where: str) -> tuple[Invocation, tuple[Optional[int], Optional[int]]]:
+    async def _call(
+        self,
+        request_id: str,
+        prompt_ids: tuple[int, ...],
+        budget: int,
+        sampling_params: dict,
+        keeps_memory: bool,
+        where: str,
+    ) -> tuple[Invocation, tuple[Optional[int], Optional[int]]]:
         """One model call with at most ``budget`` new tokens, recorded exactly as sent and returned.
 
         Also returns the ``(min, max)`` trainer step of the weights that served it (verl's server
@@ -185,14 +209,18 @@ class MemoryAgentLoop(AgentLoopBase):
         params = {**sampling_params, "max_tokens": budget, "stop_token_ids": sorted(self.stop_ids)}
         timeout = float(self.agent_config.call_timeout_s) or None
         try:
-            out = await asyncio.wait_for(self.server_manager.generate(request_id=request_id,
-                                                                      prompt_ids=list(prompt_ids),
-                                                                      sampling_params=params), timeout)
+            out = await asyncio.wait_for(
+                self.server_manager.generate(
+                    request_id=request_id, prompt_ids=list(prompt_ids), sampling_params=params
+                ),
+                timeout,
+            )
         except asyncio.TimeoutError:
             raise TimeoutError(
                 f"{where}: no reply from the rollout server within memopd.agent.call_timeout_s={timeout:g} s "
                 f"(a server whose engine died, e.g. killed for memory, never answers; raise the limit for "
-                f"very long queues)") from None
+                f"very long queues)"
+            ) from None
         ids = list(out.token_ids)
         if not ids:
             raise RuntimeError(f"{where}: the server returned no tokens (stop_reason={out.stop_reason!r})")
@@ -207,42 +235,76 @@ class MemoryAgentLoop(AgentLoopBase):
                 f"stop id {sorted(self.stop_ids)}; add the model's stop ids to memopd.agent.stop_token_ids"
             )
         end = len(ids) - 1 if stopped else len(ids)
-        call = Invocation(prompt_ids=prompt_ids, response_ids=tuple(ids), response_logprobs=tuple(out.log_probs),
-                          memory_span=(0, end) if keeps_memory else None, finish_reason="stop" if stopped else "length")
+        call = Invocation(
+            prompt_ids=prompt_ids,
+            response_ids=tuple(ids),
+            response_logprobs=tuple(out.log_probs),
+            memory_span=(0, end) if keeps_memory else None,
+            finish_reason="stop" if stopped else "length",
+        )
         return call, (out.extra_fields.get("min_global_steps"), out.extra_fields.get("max_global_steps"))
 
-    def _output(self, task: TaskRow, kwargs: dict, prefix_ids: tuple[int, ...], calls: list[Invocation],
-                versions: list[tuple[Optional[int], Optional[int]]], generate_s: float) -> AgentLoopOutput:
+    def _output(
+        self,
+        task: TaskRow,
+        kwargs: dict,
+        prefix_ids: tuple[int, ...],
+        calls: list[Invocation],
+        versions: list[tuple[Optional[int], Optional[int]]],
+        generate_s: float,
+    ) -> AgentLoopOutput:
         final = calls[-1]
         answer_ids = final.response_ids[:-1] if final.finish_reason == "stop" else final.response_ids
         answer_text = self.tokenizer.decode(answer_ids, skip_special_tokens=True)
         score = score_answers(parse_answers(answer_text, len(task.answer_sets)), task.answer_sets, task.answer_modes)
         memory_calls = calls[:-1]  # >= 1: parse_row refuses a row without chunks
         diagnostics = {
-            "memory_recall": answer_recall(self.tokenizer.decode(memory_calls[-1].memory_ids, skip_special_tokens=True),
-                                           task.answer_sets, task.answer_modes),
+            "memory_recall": answer_recall(
+                self.tokenizer.decode(memory_calls[-1].memory_ids, skip_special_tokens=True),
+                task.answer_sets,
+                task.answer_modes,
+            ),
             "memory_truncated": sum(c.finish_reason == "length" for c in memory_calls) / len(memory_calls),
         }
         episode = Episode(
-            episode_id=uuid4().hex, uid=str(kwargs.get("uid", task.where)), prefix_ids=prefix_ids,
-            invocations=tuple(calls), reward=score.f1,
-            extra={"where": task.where, "data_source": str(kwargs.get("data_source", "")), "answer": answer_text,
-                   "f1": score.f1, "em": score.em, **diagnostics, "weight_steps": [list(v) for v in versions]},
+            episode_id=uuid4().hex,
+            uid=str(kwargs.get("uid", task.where)),
+            prefix_ids=prefix_ids,
+            invocations=tuple(calls),
+            reward=score.f1,
+            extra={
+                "where": task.where,
+                "data_source": str(kwargs.get("data_source", "")),
+                "answer": answer_text,
+                "f1": score.f1,
+                "em": score.em,
+                **diagnostics,
+                "weight_steps": [list(v) for v in versions],
+            },
         )
         row = pack_episode(episode)
-        for name, n, limit in (("prompt_length", len(row.prompt_ids), self.rollout_config.prompt_length),
-                               ("response_length", len(row.response_ids), self.rollout_config.response_length)):
+        for name, n, limit in (
+            ("prompt_length", len(row.prompt_ids), self.rollout_config.prompt_length),
+            ("response_length", len(row.response_ids), self.rollout_config.response_length),
+        ):
             if n > limit:
-                raise ValueError(f"{task.where}: packed episode needs actor_rollout_ref.rollout.{name} >= {n} "
-                                 f"(is {limit}); the row cannot be truncated without breaking its calls")
+                raise ValueError(
+                    f"{task.where}: packed episode needs actor_rollout_ref.rollout.{name} >= {n} "
+                    f"(is {limit}); the row cannot be truncated without breaking its calls"
+                )
         return AgentLoopOutput(
-            prompt_ids=list(row.prompt_ids), response_ids=list(row.response_ids),
-            response_mask=list(row.response_mask), response_logprobs=list(row.response_logprobs),
-            reward_score=score.f1, num_turns=2 * len(calls),
+            prompt_ids=list(row.prompt_ids),
+            response_ids=list(row.response_ids),
+            response_mask=list(row.response_mask),
+            response_logprobs=list(row.response_logprobs),
+            reward_score=score.f1,
+            num_turns=2 * len(calls),
             metrics={"generate_sequences": generate_s},
             extra_fields={
-                EPISODE: episode.to_dict(), POSITION_IDS: list(row.position_ids),
-                SEGMENT_IDS: list(row.segment_ids), TEACHER_MASK: list(row.teacher_mask),
+                EPISODE: episode.to_dict(),
+                POSITION_IDS: list(row.position_ids),
+                SEGMENT_IDS: list(row.segment_ids),
+                TEACHER_MASK: list(row.teacher_mask),
                 "reward_extra_info": {"f1": score.f1, "em": score.em, **diagnostics},
                 **_weight_steps(versions),
             },

@@ -26,8 +26,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not argv or argv[0] not in BENCHMARKS:
         got = repr(argv[0]) if argv else "no benchmark"
         listing = "\n".join(f"  {name:10s} {what}" for name, what in BENCHMARKS.items())
-        print(f"usage: python -m verl_memopd.bench NAME [args]  ({got} given); benchmarks:\n{listing}",
-              file=sys.stderr)
+        print(f"usage: python -m verl_memopd.bench NAME [args]  ({got} given); benchmarks:\n{listing}", file=sys.stderr)
         return 2
     return importlib.import_module(f"verl_memopd.bench.{argv[0]}").main(argv[1:])
 

@@ -36,15 +36,18 @@ def repeat_kv_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, sc
     from verl_memopd.attention import call_varlen_attn
 
     groups = q.shape[1] // k.shape[1]
-    return call_varlen_attn(varlen_attn, q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1),
-                            meta, scale)
+    return call_varlen_attn(
+        varlen_attn, q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), meta, scale
+    )
 
 
 def _variants() -> dict[str, Callable]:
     from verl_memopd.attention import get_backend
 
-    variants = {"varlen_repeat": repeat_kv_varlen,
-                "torch_varlen": lambda q, k, v, meta, scale: get_backend("torch_varlen")(q, k, v, meta, scale, 0.0)}
+    variants = {
+        "varlen_repeat": repeat_kv_varlen,
+        "torch_varlen": lambda q, k, v, meta, scale: get_backend("torch_varlen")(q, k, v, meta, scale, 0.0),
+    }
     try:
         import flash_attn  # noqa: F401
 
@@ -76,12 +79,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     meta = _packed_meta(args.episodes, args.seed, "cuda", QWEN_3B.vocab)
     g = torch.Generator(device="cuda").manual_seed(args.seed)
     n, d = meta.num_tokens, QWEN_3B.head_dim
-    q, k, v = (torch.randn(n, h, d, generator=g, device="cuda").bfloat16()
-               for h in (QWEN_3B.heads, QWEN_3B.kv_heads, QWEN_3B.kv_heads))
+    q, k, v = (
+        torch.randn(n, h, d, generator=g, device="cuda").bfloat16()
+        for h in (QWEN_3B.heads, QWEN_3B.kv_heads, QWEN_3B.kv_heads)
+    )
     proj = torch.randn(n, QWEN_3B.heads, d, generator=g, device="cuda")
-    scale = d ** -0.5
-    print(f"attention: {n} query tokens, {meta.key_index.numel()} gathered keys, {len(meta.bounds)} segments, "
-          f"heads {QWEN_3B.heads}/{QWEN_3B.kv_heads}, torch {torch.__version__}", flush=True)
+    scale = d**-0.5
+    print(
+        f"attention: {n} query tokens, {meta.key_index.numel()} gathered keys, {len(meta.bounds)} segments, "
+        f"heads {QWEN_3B.heads}/{QWEN_3B.kv_heads}, torch {torch.__version__}",
+        flush=True,
+    )
     ref = None
     for name, fn in _variants().items():
         try:
@@ -98,8 +106,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             continue
         ref = ref if ref is not None else out
         diffs = [float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(out, ref)]
-        print(f"attention {name:14s} ms={statistics.median(times) * 1e3:7.3f} rel_diff_vs_varlen_repeat out/dq/dk/dv="
-              + "/".join(f"{d:.1e}" for d in diffs), flush=True)
+        print(
+            f"attention {name:14s} ms={statistics.median(times) * 1e3:7.3f} rel_diff_vs_varlen_repeat out/dq/dk/dv="
+            + "/".join(f"{d:.1e}" for d in diffs),
+            flush=True,
+        )
     return 0
 
 

@@ -13,7 +13,10 @@ and prints::
 
     python -m verl_memopd.bench audit [--device cuda --model-shape qwen2.5-3b --layers 8 --shape memory-agent]
     ...
-    audit check_over_old_check=<c / c_old> audit_step_over_old_audit_step<=<(f + t + c) / (f + t + c_old)> audit_step_over_step<=<(f + t + c) / (f + t)>
+    audit check_over_old_check=<c / c_old> audit_step_over_old_audit_step<=<(f + t + c) / (f + t + c_old)> \
+        audit_step_over_step<=<(f + t + c) / (f + t)>
+
+    (one line; wrapped here)
 
 The two step ratios count only the actor's own passes (f = forward, t = train, one update pass); every other
 stage of a real step (rollout, teacher, critic, more update passes) adds to both sides, so the real ratios
@@ -31,8 +34,16 @@ import torch
 
 from verl_memopd.attention import hf_name
 from verl_memopd.audit import rce_spot_check
-from verl_memopd.bench.packing import (MODEL_SHAPES, SHAPE, Stream, actor_step_seconds, build_model, clock, model_config,
-                                        sync)
+from verl_memopd.bench.packing import (
+    MODEL_SHAPES,
+    SHAPE,
+    Stream,
+    actor_step_seconds,
+    build_model,
+    clock,
+    model_config,
+    sync,
+)
 from verl_memopd.packing import build_layout
 from verl_memopd.rce import EpisodeShape, SpotBatch, packed_spot_batch, random_episodes
 
@@ -54,8 +65,12 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--shape", default="bench", choices=list(EPISODE_SHAPES))
     p.add_argument("--episodes", type=int, default=4, help="episodes in the micro-batch")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="default: bfloat16 on CUDA, float32 on CPU",
+    )
     p.add_argument("--backend", default=None, help="packed attention backend (default: torch_varlen on CUDA, torch)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
@@ -73,8 +88,16 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def _check(model: torch.nn.Module, batch: SpotBatch, reference: bool) -> None:
-    rce_spot_check(model, model, batch.logits, batch.row_start, batch.input_ids, batch.response_masks, batch.records,
-                   reference=reference)
+    rce_spot_check(
+        model,
+        model,
+        batch.logits,
+        batch.row_start,
+        batch.input_ids,
+        batch.response_masks,
+        batch.records,
+        reference=reference,
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -89,16 +112,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     episodes = random_episodes(args.episodes, config.vocab_size, args.seed, EPISODE_SHAPES[args.shape])
     layout = build_layout("packed", episodes, config.vocab_size)
     alone = sum(len(inv.prompt_ids) + len(inv.response_ids) for ep in episodes for inv in ep.invocations)
-    print(f"audit shape model={args.model_shape} layers={config.num_hidden_layers} dtype={str(dtype)[6:]} "
-          f"device={device.type} backend={backend} episodes={len(episodes)} "
-          f"calls={sum(len(ep.invocations) for ep in episodes)} packed_tokens={layout.input_ids.numel()} "
-          f"alone_tokens={alone} action_tokens={layout.action_ids.numel()}", flush=True)
+    print(
+        f"audit shape model={args.model_shape} layers={config.num_hidden_layers} dtype={str(dtype)[6:]} "
+        f"device={device.type} backend={backend} episodes={len(episodes)} "
+        f"calls={sum(len(ep.invocations) for ep in episodes)} packed_tokens={layout.input_ids.numel()} "
+        f"alone_tokens={alone} action_tokens={layout.action_ids.numel()}",
+        flush=True,
+    )
     model.eval()
     batch = packed_spot_batch(model, episodes, backend)
-    steps = {"forward": lambda: packed_spot_batch(model, episodes, backend),
-             "train": lambda: actor_step_seconds(model, Stream.of(layout), hf_name(backend), backward=True),
-             "check_old": lambda: _check(model, batch, reference=False),
-             "check": lambda: _check(model, batch, reference=True)}
+    steps = {
+        "forward": lambda: packed_spot_batch(model, episodes, backend),
+        "train": lambda: actor_step_seconds(model, Stream.of(layout), hf_name(backend), backward=True),
+        "check_old": lambda: _check(model, batch, reference=False),
+        "check": lambda: _check(model, batch, reference=True),
+    }
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for round_ in range(args.warmup + args.repeats):
         for name in VARIANTS:
@@ -109,6 +137,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("audit seconds " + " ".join(f"{name}={med[name]:.4g}" for name in VARIANTS))
     f, t, c, c_old = med["forward"], med["train"], med["check"], med["check_old"]
     print(f"audit check_over_forward={c / f:.3g} check_old_over_forward={c_old / f:.3g}")
-    print(f"audit check_over_old_check={c / c_old:.3g} audit_step_over_old_audit_step<={(f + t + c) / (f + t + c_old):.3g} "
-          f"audit_step_over_step<={(f + t + c) / (f + t):.3g}")
+    print(
+        f"audit check_over_old_check={c / c_old:.3g} "
+        f"audit_step_over_old_audit_step<={(f + t + c) / (f + t + c_old):.3g} "
+        f"audit_step_over_step<={(f + t + c) / (f + t):.3g}"
+    )
     return 0

@@ -54,10 +54,10 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
-import statistics
 import time
 from typing import Callable, Optional, Sequence
 
@@ -81,9 +81,9 @@ def _inputs(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     ht = args.teacher_hidden or h
     return {
         "hs": torch.randn(n, h, generator=g).requires_grad_(),
-        "ws": torch.randn(v, h, generator=g).mul_(h ** -0.5).requires_grad_(),
+        "ws": torch.randn(v, h, generator=g).mul_(h**-0.5).requires_grad_(),
         "ht": torch.randn(n, ht, generator=g),
-        "wt": torch.randn(v, ht, generator=g).mul_(ht ** -0.5),
+        "wt": torch.randn(v, ht, generator=g).mul_(ht**-0.5),
     }
 
 
@@ -96,8 +96,14 @@ def _step(variant: str, x: dict[str, torch.Tensor], args: argparse.Namespace) ->
         (weights * per_token).sum().backward()
         return per_token.detach()
     chunking = Chunking(args.token_chunk, args.vocab_chunk if variant == "vocab_chunked" else None)
-    res = divergence_loss(div, StudentLogits(args.vocab, hidden=x["hs"], head_weight=x["ws"]),
-                          HiddenTarget(x["ht"], x["wt"], args.vocab), weights, temp, chunking)
+    res = divergence_loss(
+        div,
+        StudentLogits(args.vocab, hidden=x["hs"], head_weight=x["ws"]),
+        HiddenTarget(x["ht"], x["wt"], args.vocab),
+        weights,
+        temp,
+        chunking,
+    )
     res.loss.backward()
     return res.per_token
 
@@ -119,8 +125,16 @@ WORKER_ARGS = ("vocab", "hidden", "teacher_hidden", "tokens", "token_chunk", "vo
 
 
 def _run_variant(variant: str, args: argparse.Namespace, out: str) -> dict:
-    cmd = [sys.executable, "-m", "verl_memopd.bench.kl", "--worker", variant, "--out", out,
-           *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in WORKER_ARGS if getattr(args, k) is not None)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl_memopd.bench.kl",
+        "--worker",
+        variant,
+        "--out",
+        out,
+        *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in WORKER_ARGS if getattr(args, k) is not None),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"kl benchmark worker {variant!r} failed:\n{done.stderr[-3000:]}")
@@ -134,24 +148,38 @@ def _max_abs_err(path_a: str, path_b: str) -> float:
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m verl_memopd.bench kl", description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu (default; subprocess per variant) "
-                   "or cuda (in process, see the module docstring)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cpu (default; subprocess per variant) or cuda (in process, see the module docstring)",
+    )
     p.add_argument("--vocab", type=int, default=151936, help="V (default: Qwen2.5's 151,936)")
     p.add_argument("--hidden", type=int, default=None, help="student H (default 512 on cpu, 2048 on cuda)")
-    p.add_argument("--teacher-hidden", type=int, default=None,
-                   help="teacher H (default: --hidden on cpu, 3584 on cuda)")
-    p.add_argument("--tokens", type=int, default=None, help="N supervised positions (default 2048 on cpu, 4096 on cuda)")
-    p.add_argument("--token-chunk", type=int, default=None,
-                   help=f"positions per chunk (default {Chunking().token_chunk_size} on cpu, "
-                        f"{CUDA_TOKEN_CHUNK} on cuda)")
-    p.add_argument("--token-chunks", default=None,
-                   help="cuda: comma-separated chunk sizes to compare (default: --token-chunk)")
+    p.add_argument(
+        "--teacher-hidden", type=int, default=None, help="teacher H (default: --hidden on cpu, 3584 on cuda)"
+    )
+    p.add_argument(
+        "--tokens", type=int, default=None, help="N supervised positions (default 2048 on cpu, 4096 on cuda)"
+    )
+    p.add_argument(
+        "--token-chunk",
+        type=int,
+        default=None,
+        help=f"positions per chunk (default {Chunking().token_chunk_size} on cpu, {CUDA_TOKEN_CHUNK} on cuda)",
+    )
+    p.add_argument(
+        "--token-chunks", default=None, help="cuda: comma-separated chunk sizes to compare (default: --token-chunk)"
+    )
     p.add_argument("--dtypes", default="float32,bfloat16", help="cuda: input dtypes of our kernel (default both)")
     p.add_argument("--warmup", type=int, default=2, help="cuda: untimed steps per variant (default 2)")
     p.add_argument("--repeats", type=int, default=5, help="cuda: timed steps per variant, median (default 5)")
     p.add_argument("--no-liger", action="store_true", help="cuda: leave out Liger-Kernel even when installed")
-    p.add_argument("--profile", action="store_true",
-                   help="cuda: print a torch.profiler table (top ops by device time) of one step of ours, bf16")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="cuda: print a torch.profiler table (top ops by device time) of one step of ours, bf16",
+    )
     p.add_argument("--vocab-chunk", type=int, default=None, help="also run a vocabulary-chunked variant (columns)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--worker", choices=["naive", "chunked", "vocab_chunked"], help=argparse.SUPPRESS)
@@ -181,13 +209,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         errs = {v: _max_abs_err(paths["naive"], paths[v]) for v in variants[1:]}
     naive = stats["naive"]
     for v, s in stats.items():
-        ratios = "" if v == "naive" else (
-            f" peak_mem_ratio={naive['peak_bytes'] / s['peak_bytes']:.2f} time_ratio={s['cpu_seconds'] / naive['cpu_seconds']:.2f}"
-            f" max_abs_err={errs[v]:.2e}")
-        print(f"{v:13s} cpu={s['cpu_seconds']:.2f}s wall={s['wall_seconds']:.2f}s peak_mem={s['peak_bytes'] / 2**30:.3f}GiB{ratios}")
+        ratios = (
+            ""
+            if v == "naive"
+            else (
+                f" peak_mem_ratio={naive['peak_bytes'] / s['peak_bytes']:.2f}"
+                f" time_ratio={s['cpu_seconds'] / naive['cpu_seconds']:.2f}"
+                f" max_abs_err={errs[v]:.2e}"
+            )
+        )
+        print(
+            f"{v:13s} cpu={s['cpu_seconds']:.2f}s wall={s['wall_seconds']:.2f}s "
+            f"peak_mem={s['peak_bytes'] / 2**30:.3f}GiB{ratios}"
+        )
     chunked = stats["chunked"]
-    print(f"kl vocab={args.vocab} tokens={args.tokens} peak_mem_ratio={naive['peak_bytes'] / chunked['peak_bytes']:.2f} "
-          f"time_ratio={chunked['cpu_seconds'] / naive['cpu_seconds']:.2f} max_abs_err={errs['chunked']:.2e}")
+    print(
+        f"kl vocab={args.vocab} tokens={args.tokens} peak_mem_ratio={naive['peak_bytes'] / chunked['peak_bytes']:.2f} "
+        f"time_ratio={chunked['cpu_seconds'] / naive['cpu_seconds']:.2f} max_abs_err={errs['chunked']:.2e}"
+    )
     return 0
 
 
@@ -196,8 +235,10 @@ def _cuda_inputs(args: argparse.Namespace, device: str = "cuda") -> dict[str, to
     """bf16-representable inputs on ``device``, in fp32 (see the module docstring)."""
     g = torch.Generator(device=device).manual_seed(args.seed)
     n, h, ht, v = args.tokens, args.hidden, args.teacher_hidden, args.vocab
-    draw = {"hs": ((n, h), 1.0), "ws": ((v, h), h ** -0.5), "ht": ((n, ht), 1.0), "wt": ((v, ht), ht ** -0.5)}
-    return {k: (torch.randn(*shape, generator=g, device=device) * sc).bfloat16().float() for k, (shape, sc) in draw.items()}
+    draw = {"hs": ((n, h), 1.0), "ws": ((v, h), h**-0.5), "ht": ((n, ht), 1.0), "wt": ((v, ht), ht**-0.5)}
+    return {
+        k: (torch.randn(*shape, generator=g, device=device) * sc).bfloat16().float() for k, (shape, sc) in draw.items()
+    }
 
 
 def _cuda_prepare(variant: str, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -216,8 +257,15 @@ def _cuda_run(variant: str, inputs: tuple[torch.Tensor, ...], chunk: int) -> dic
     if kind == "naive":
         loss = (weights * naive_divergence(div, hs @ ws.T, ht @ wt.T, v, temp)).sum()
     elif kind in ("chunked", "chunked_no_top"):
-        loss = divergence_loss(div, StudentLogits(v, hidden=hs, head_weight=ws), HiddenTarget(ht, wt, v), weights, temp,
-                               Chunking(chunk), top_tokens=8 if kind == "chunked" else 0).loss
+        loss = divergence_loss(
+            div,
+            StudentLogits(v, hidden=hs, head_weight=ws),
+            HiddenTarget(ht, wt, v),
+            weights,
+            temp,
+            Chunking(chunk),
+            top_tokens=8 if kind == "chunked" else 0,
+        ).loss
     else:
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
 
@@ -232,8 +280,9 @@ def _cuda_step(variant: str, x: dict[str, torch.Tensor], chunk: int) -> dict[str
     return _cuda_run(variant, _cuda_prepare(variant, x), chunk)
 
 
-def _cuda_measure(prepare: Callable[[], tuple], run: Callable[[tuple], dict], warmup: int,
-                  repeats: int) -> tuple[dict, float, int]:
+def _cuda_measure(
+    prepare: Callable[[], tuple], run: Callable[[tuple], dict], warmup: int, repeats: int
+) -> tuple[dict, float, int]:
     """(outputs, median seconds, peak bytes above the allocation before a step) of ``run(prepare())``; the
     inputs are prepared (cast) before the clock and the memory baseline."""
     seconds, peak, out = [], 0, None
@@ -268,18 +317,24 @@ def cuda_main(args: argparse.Namespace) -> int:
         return 3
     x = _cuda_inputs(args)
     chunks = [int(c) for c in (args.token_chunks or str(args.token_chunk)).split(",")]
-    variants = ["naive/float32", "naive/bfloat16"] + [f"chunked/{d}/{c}" for d in args.dtypes.split(",") for c in chunks]
+    variants = ["naive/float32", "naive/bfloat16"] + [
+        f"chunked/{d}/{c}" for d in args.dtypes.split(",") for c in chunks
+    ]
     variants.append(f"chunked_no_top/bfloat16/{args.token_chunk}")
     if not args.no_liger and _liger_available():
         variants.append("liger/bfloat16")
-    print(f"kl device=cuda {torch.cuda.get_device_name(0)} vocab={args.vocab} tokens={args.tokens} "
-          f"student_hidden={args.hidden} teacher_hidden={args.teacher_hidden} torch={torch.__version__}", flush=True)
+    print(
+        f"kl device=cuda {torch.cuda.get_device_name(0)} vocab={args.vocab} tokens={args.tokens} "
+        f"student_hidden={args.hidden} teacher_hidden={args.teacher_hidden} torch={torch.__version__}",
+        flush=True,
+    )
     ref, results = None, {}
     for variant in variants:
         chunk = int(variant.split("/")[2]) if variant.startswith("chunked") else 0  # chunked, chunked_no_top
         try:
-            out, sec, peak = _cuda_measure(lambda: _cuda_prepare(variant, x), lambda i: _cuda_run(variant, i, chunk),
-                                           args.warmup, args.repeats)
+            out, sec, peak = _cuda_measure(
+                lambda: _cuda_prepare(variant, x), lambda i: _cuda_run(variant, i, chunk), args.warmup, args.repeats
+            )
         except Exception as e:  # one variant's failure (e.g. liger's triton) is its line, not the end
             print(f"kl {variant:22s} error={type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
             continue
@@ -287,8 +342,11 @@ def cuda_main(args: argparse.Namespace) -> int:
         loss_err = float((out["loss"] - ref["loss"]).abs())
         grad_err = max(float((out[k] - ref[k]).abs().max() / ref[k].abs().max()) for k in ("grad_h", "grad_w"))
         results[variant] = dict(seconds=sec, peak=peak, loss_err=loss_err, grad_err=grad_err)
-        print(f"kl {variant:22s} ms={sec * 1e3:8.1f} peak_gib={peak / 2**30:6.2f} loss={float(out['loss']):.6f} "
-              f"loss_err={loss_err:.2e} grad_err={grad_err:.2e}", flush=True)
+        print(
+            f"kl {variant:22s} ms={sec * 1e3:8.1f} peak_gib={peak / 2**30:6.2f} loss={float(out['loss']):.6f} "
+            f"loss_err={loss_err:.2e} grad_err={grad_err:.2e}",
+            flush=True,
+        )
         del out
         torch.cuda.empty_cache()
     best = f"chunked/bfloat16/{args.token_chunk}"
@@ -298,20 +356,24 @@ def cuda_main(args: argparse.Namespace) -> int:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             _cuda_step(best, x, args.token_chunk)
             torch.cuda.synchronize()
-        print(f"kl profile of one {best} step\n"
-              + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=50))
+        print(
+            f"kl profile of one {best} step\n"
+            + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=50)
+        )
     if best in results and "naive/float32" in results:
         ours, naive = results[best], results["naive/float32"]
         liger = results.get("liger/bfloat16")
         vs = f"{ours['seconds'] / liger['seconds']:.2f}" if liger else "none"
         no_top = results.get(f"chunked_no_top/bfloat16/{args.token_chunk}")
         vs_no_top = f"{no_top['seconds'] / liger['seconds']:.2f}" if liger and no_top else "none"
-        print(f"kl device=cuda vocab={args.vocab} tokens={args.tokens} chunk={args.token_chunk} "
-              f"peak_mem_ratio={naive['peak'] / ours['peak']:.2f} time_vs_naive={ours['seconds'] / naive['seconds']:.2f} "
-              f"time_vs_liger={vs} loss_err={ours['loss_err']:.2e} grad_err={ours['grad_err']:.2e} "
-              f"bf16_tolerance_loss={results.get('naive/bfloat16', {}).get('loss_err', float('nan')):.2e} "
-              f"bf16_tolerance_grad={results.get('naive/bfloat16', {}).get('grad_err', float('nan')):.2e} "
-              f"time_vs_liger_no_top_mass={vs_no_top}")
+        print(
+            f"kl device=cuda vocab={args.vocab} tokens={args.tokens} chunk={args.token_chunk} "
+            f"peak_mem_ratio={naive['peak'] / ours['peak']:.2f} time_vs_naive={ours['seconds'] / naive['seconds']:.2f} "
+            f"time_vs_liger={vs} loss_err={ours['loss_err']:.2e} grad_err={ours['grad_err']:.2e} "
+            f"bf16_tolerance_loss={results.get('naive/bfloat16', {}).get('loss_err', float('nan')):.2e} "
+            f"bf16_tolerance_grad={results.get('naive/bfloat16', {}).get('grad_err', float('nan')):.2e} "
+            f"time_vs_liger_no_top_mass={vs_no_top}"
+        )
     return 0
 
 

@@ -61,8 +61,22 @@ from verl_memopd.records import Episode
 from verl_memopd.segments import SegmentMeta
 from verl_memopd.trainer.groups import share_prefix
 
-__all__ = ["SHAPE", "MODEL_SHAPES", "model_config", "Stream", "grouped_episodes", "group_stream", "layout_work", "round_seconds", "step_seconds",
-           "paired_ratio", "sync", "clock", "actor_step_seconds", "main"]
+__all__ = [
+    "SHAPE",
+    "MODEL_SHAPES",
+    "model_config",
+    "Stream",
+    "grouped_episodes",
+    "group_stream",
+    "layout_work",
+    "round_seconds",
+    "step_seconds",
+    "paired_ratio",
+    "sync",
+    "clock",
+    "actor_step_seconds",
+    "main",
+]
 
 #: Benchmark episodes: q of 256-320 tokens; blocks = memory (a slice of the previous response)
 #: + a 48-80 token chunk + a 16-48 token response, ~105 tokens on average: q / block ~ 2.7.
@@ -71,8 +85,15 @@ SHAPE = EpisodeShape(prefix_len=(256, 320), calls=(4, 6), chunk_len=(48, 80), re
 
 #: ``--model-shape`` name -> Qwen2 config fields (layers from ``--layers``).
 MODEL_SHAPES: dict[str, dict] = {
-    "qwen2.5-3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_attention_heads=16,
-                       num_key_value_heads=2, head_dim=128, tie_word_embeddings=False),
+    "qwen2.5-3b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -113,19 +134,26 @@ class Stream:
 
     @classmethod
     def of(cls, layout: BatchLayout) -> "Stream":
-        return cls(layout.input_ids, layout.position_ids, layout.segments, layout.action_index, layout.action_ids,
-                   layout.needs_segment_attention)
+        return cls(
+            layout.input_ids,
+            layout.position_ids,
+            layout.segments,
+            layout.action_index,
+            layout.action_ids,
+            layout.needs_segment_attention,
+        )
 
 
-def grouped_episodes(episodes: Sequence[Episode], group_size: int, q_len: Optional[int], seed: int,
-                     vocab_size: int) -> list[Episode]:
+def grouped_episodes(
+    episodes: Sequence[Episode], group_size: int, q_len: Optional[int], seed: int, vocab_size: int
+) -> list[Episode]:
     """Every ``group_size`` consecutive episodes get one prompt ``q`` (the group's first one's, or
     ``q_len`` random tokens when given); ``uid`` = the group."""
     rng, out = random.Random(seed), []
     for e, ep in enumerate(episodes):
         if e % group_size == 0:
             q = ep.prefix_ids if q_len is None else tuple(rng.randrange(vocab_size) for _ in range(q_len))
-        calls = tuple(replace(inv, prompt_ids=q + inv.prompt_ids[ep.prefix_len:]) for inv in ep.invocations)
+        calls = tuple(replace(inv, prompt_ids=q + inv.prompt_ids[ep.prefix_len :]) for inv in ep.invocations)
         out.append(replace(ep, uid=f"group-{e // group_size}", prefix_ids=q, invocations=calls))
     return out
 
@@ -135,14 +163,18 @@ def group_stream(episodes: Sequence[Episode], packed: BatchLayout) -> Stream:
     rows = [pack_episode(ep) for ep in episodes]
     uids = {ep.uid: None for ep in episodes}
     groups = [list(uids).index(ep.uid) for ep in episodes]
-    shared = share_prefix([torch.tensor(r.prompt_ids + r.response_ids) for r in rows],
-                          [torch.tensor(r.position_ids) for r in rows], [torch.tensor(r.segment_ids) for r in rows],
-                          groups)
+    shared = share_prefix(
+        [torch.tensor(r.prompt_ids + r.response_ids) for r in rows],
+        [torch.tensor(r.position_ids) for r in rows],
+        [torch.tensor(r.segment_ids) for r in rows],
+        groups,
+    )
     if shared is None:
         return Stream.of(packed)
     inputs, index = shared
-    return Stream(inputs["input_ids"], inputs["position_ids"], inputs[SEGMENTS],
-                  index[packed.action_index], packed.action_ids)
+    return Stream(
+        inputs["input_ids"], inputs["position_ids"], inputs[SEGMENTS], index[packed.action_index], packed.action_ids
+    )
 
 
 def layout_work(layout: Union[BatchLayout, Stream], config) -> float:
@@ -175,14 +207,16 @@ def _hidden(model: torch.nn.Module, stream: Stream) -> torch.Tensor:
     """Final post-norm hidden states at the predicting positions: (A, H)."""
     device = model.get_input_embeddings().weight.device
     kwargs = {} if backend_of(model) is None else {SEGMENTS: stream.segments.to(device)}
-    out = model.base_model(input_ids=stream.input_ids.to(device), position_ids=stream.position_ids.to(device),
-                           use_cache=False, **kwargs)
+    out = model.base_model(
+        input_ids=stream.input_ids.to(device), position_ids=stream.position_ids.to(device), use_cache=False, **kwargs
+    )
     hidden = out.last_hidden_state
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, stream.predictors.to(device))
 
 
-def actor_step_seconds(model: torch.nn.Module, layout: Union[BatchLayout, Stream], impl: str,
-                       backward: bool = True) -> float:
+def actor_step_seconds(
+    model: torch.nn.Module, layout: Union[BatchLayout, Stream], impl: str, backward: bool = True
+) -> float:
     """Time (``clock``) of one forward + full-vocabulary action log-probs + backward under ``impl``, or
     (``backward=False``) of the teacher's forward to the action positions' hidden states, without gradients."""
     stream = layout if isinstance(layout, Stream) else Stream.of(layout)
@@ -202,8 +236,13 @@ def actor_step_seconds(model: torch.nn.Module, layout: Union[BatchLayout, Stream
     return clock(device) - start
 
 
-def round_seconds(model: torch.nn.Module, variants: dict[str, tuple[Union[BatchLayout, Stream], str]], warmup: int,
-                  repeats: int, backward: bool = True) -> dict[str, list[float]]:
+def round_seconds(
+    model: torch.nn.Module,
+    variants: dict[str, tuple[Union[BatchLayout, Stream], str]],
+    warmup: int,
+    repeats: int,
+    backward: bool = True,
+) -> dict[str, list[float]]:
     """Step times per variant ``name -> (layout, attention implementation)``: ``repeats`` values each, by round.
 
     Variants are timed round-robin (one step each per round, back to back), so load changes on a shared
@@ -218,8 +257,13 @@ def round_seconds(model: torch.nn.Module, variants: dict[str, tuple[Union[BatchL
     return times
 
 
-def step_seconds(model: torch.nn.Module, variants: dict[str, tuple[Union[BatchLayout, Stream], str]], warmup: int,
-                 repeats: int, backward: bool = True) -> dict[str, float]:
+def step_seconds(
+    model: torch.nn.Module,
+    variants: dict[str, tuple[Union[BatchLayout, Stream], str]],
+    warmup: int,
+    repeats: int,
+    backward: bool = True,
+) -> dict[str, float]:
     """Median step time per variant (``round_seconds``)."""
     return {name: statistics.median(t) for name, t in round_seconds(model, variants, warmup, repeats, backward).items()}
 
@@ -254,31 +298,63 @@ def _timed(build: Callable[[], BatchLayout]) -> tuple[BatchLayout, float]:
 
 def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m verl_memopd.bench packing", description=__doc__.split("\n")[0])
-    p.add_argument("--episodes", type=int, default=None,
-                   help="episodes per step, a multiple of --group-size (default max(4, group size))")
-    p.add_argument("--group-size", type=int, default=1,
-                   help="episodes sharing one prompt q (GRPO / rollout.n group); 1 = per-episode packing (default)")
-    p.add_argument("--q-ratio", type=float, default=None,
-                   help="|q| = R x the mean call block (default: SHAPE's q of 256-320 tokens, ~2.7x)")
+    p.add_argument(
+        "--episodes",
+        type=int,
+        default=None,
+        help="episodes per step, a multiple of --group-size (default max(4, group size))",
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=1,
+        help="episodes sharing one prompt q (GRPO / rollout.n group); 1 = per-episode packing (default)",
+    )
+    p.add_argument(
+        "--q-ratio",
+        type=float,
+        default=None,
+        help="|q| = R x the mean call block (default: SHAPE's q of 256-320 tokens, ~2.7x)",
+    )
     p.add_argument("--calls", type=int, default=None, help="calls per episode (default: SHAPE's 4-6)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant (default 1)")
-    p.add_argument("--repeats", type=int, default=9,
-                   help="timed rounds, one step per variant each; medians reported (default 9: single steps "
-                        "on a loaded 2-core machine move by +-15%%)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=9,
+        help="timed rounds, one step per variant each; medians reported (default 9: single steps "
+        "on a loaded 2-core machine move by +-15%%)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of episodes and weights (default 0)")
-    p.add_argument("--backend", default=None, choices=sorted(BACKENDS),
-                   help="packed attention backend (default torch; torch_varlen on cuda)")
+    p.add_argument(
+        "--backend",
+        default=None,
+        choices=sorted(BACKENDS),
+        help="packed attention backend (default torch; torch_varlen on cuda)",
+    )
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="model dtype (default float32; bfloat16 on cuda)")
-    p.add_argument("--model-shape", default="tiny", choices=["tiny", *MODEL_SHAPES],
-                   help="tiny (default: the tiny teacher) or N layers of a real model's shape (--layers)")
+    p.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16"], help="model dtype (default float32; bfloat16 on cuda)"
+    )
+    p.add_argument(
+        "--model-shape",
+        default="tiny",
+        choices=["tiny", *MODEL_SHAPES],
+        help="tiny (default: the tiny teacher) or N layers of a real model's shape (--layers)",
+    )
     p.add_argument("--layers", type=int, default=None, help="layers of --model-shape (default: tiny 4, others 8)")
-    p.add_argument("--profile", action="store_true", help="print torch.profiler tables of one packed and one "
-                                                          "per_call_varlen actor step")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU threads for torch (default 1: on a shared CPU, several threads per op make small "
-                        "ops wait on each other and distort the ratios)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="print torch.profiler tables of one packed and one per_call_varlen actor step",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads for torch (default 1: on a shared CPU, several threads per op make small "
+        "ops wait on each other and distort the ratios)",
+    )
     args = p.parse_args(argv)
     args.episodes = args.episodes or max(4, args.group_size)
     cuda = str(args.device).startswith("cuda")
@@ -288,8 +364,11 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         p.error("--layers must be >= 1")
     if min(args.repeats, args.episodes, args.threads, args.group_size) < 1 or args.warmup < 0:
         p.error("--episodes, --repeats, --threads and --group-size must be >= 1, --warmup >= 0")
-    if args.episodes % args.group_size or (args.calls is not None and args.calls < 1) or (
-            args.q_ratio is not None and args.q_ratio <= 0):
+    if (
+        args.episodes % args.group_size
+        or (args.calls is not None and args.calls < 1)
+        or (args.q_ratio is not None and args.q_ratio <= 0)
+    ):
         p.error("--episodes must be a multiple of --group-size; --calls >= 1; --q-ratio > 0")
     return args
 
@@ -321,27 +400,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     blocks = _blocks(episodes)
     q, b, n = statistics.mean(ep.prefix_len for ep in episodes), statistics.mean(blocks), args.group_size
     t = len(blocks) / len(episodes)
-    print(f"packing: {args.episodes} episodes in groups of {n} sharing q, {t:.1f} calls each, mean len(q) {q:.0f} = "
-          f"{q / b:.2f}x mean block {b:.0f}; token ideal n*T*(q+b)/(q+n*T*b) = {n * t * (q + b) / (q + n * t * b):.3f}; "
-          f"tokens packed {packed.input_ids.numel()}, per_call varlen {varlen.input_ids.numel()}, padded "
-          f"{padded.input_ids.numel()}; {packed.action_ids.numel()} action tokens; packed layout built in "
-          f"{build_s * 1e3:.1f} ms")
+    print(
+        f"packing: {args.episodes} episodes in groups of {n} sharing q, {t:.1f} calls each, mean len(q) {q:.0f} = "
+        f"{q / b:.2f}x mean block {b:.0f}; token ideal n*T*(q+b)/(q+n*T*b) = {n * t * (q + b) / (q + n * t * b):.3f}; "
+        f"tokens packed {packed.input_ids.numel()}, per_call varlen {varlen.input_ids.numel()}, padded "
+        f"{padded.input_ids.numel()}; {packed.action_ids.numel()} action tokens; packed layout built in "
+        f"{build_s * 1e3:.1f} ms"
+    )
 
-    variants = {"per_call_padded": (padded, "sdpa"), "per_call_varlen": (varlen, hf_name(args.backend)),
-                "packed": (packed, hf_name(args.backend))}
+    variants = {
+        "per_call_padded": (padded, "sdpa"),
+        "per_call_varlen": (varlen, hf_name(args.backend)),
+        "packed": (packed, hf_name(args.backend)),
+    }
     actor = round_seconds(model, variants, args.warmup, args.repeats)
     teacher = round_seconds(model, variants, args.warmup, args.repeats, backward=False)
     for name in variants:
-        print(f"packing: {name:16s} actor fwd+bwd {statistics.median(actor[name]) * 1e3:8.1f} ms "
-              f"(packed {paired_ratio(actor, name, 'packed'):.3f}x)  teacher fwd "
-              f"{statistics.median(teacher[name]) * 1e3:8.1f} ms (packed {paired_ratio(teacher, name, 'packed'):.3f}x)")
+        print(
+            f"packing: {name:16s} actor fwd+bwd {statistics.median(actor[name]) * 1e3:8.1f} ms "
+            f"(packed {paired_ratio(actor, name, 'packed'):.3f}x)  teacher fwd "
+            f"{statistics.median(teacher[name]) * 1e3:8.1f} ms (packed {paired_ratio(teacher, name, 'packed'):.3f}x)"
+        )
     ideal = layout_work(varlen, config) / layout_work(packed, config)
     head = 2.0 * packed.action_ids.numel() * config.hidden_size * config.vocab_size
     layers = config.num_hidden_layers
     with_head = (layers * layout_work(varlen, config) + head) / (layers * layout_work(packed, config) + head)
-    print(f"packing: model {args.model_shape} x {layers} layers, {args.dtype}, {args.device}, backend {args.backend}; "
-          f"LM head {head / (layers * layout_work(packed, config) + head):.1%} of packed forward FLOPs; "
-          f"ideal_with_head={with_head:.3f}")
+    print(
+        f"packing: model {args.model_shape} x {layers} layers, {args.dtype}, {args.device}, backend {args.backend}; "
+        f"LM head {head / (layers * layout_work(packed, config) + head):.1%} of packed forward FLOPs; "
+        f"ideal_with_head={with_head:.3f}"
+    )
     if args.profile:
         for name in ("packed", "per_call_varlen"):
             print(f"packing: profile of one {name} actor step\n{profile_table(model, *variants[name])}")

@@ -55,14 +55,21 @@ def _measure(args: argparse.Namespace) -> dict[str, float]:
     logits = hidden @ head.T  # (tokens, V) bf16: the dense alternative
     measured["logits"] = payload_bytes_per_token({"logits": logits})
     if measured["logits"] != dense_logits_bytes_per_token(args.vocab, dtype):
-        raise RuntimeError(f"dense logits: {measured['logits']} B/token, accounting says {dense_logits_bytes_per_token(args.vocab, dtype)}")
+        raise RuntimeError(
+            f"dense logits: {measured['logits']} B/token, "
+            f"accounting says {dense_logits_bytes_per_token(args.vocab, dtype)}"
+        )
     return measured
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     measured = _measure(args)
-    notes = {"hidden": "exact (actor holds the teacher head)", "topk": f"k={args.k} + tail bin", "logits": "exact, dense"}
+    notes = {
+        "hidden": "exact (actor holds the teacher head)",
+        "topk": f"k={args.k} + tail bin",
+        "logits": "exact, dense",
+    }
     for name, value in measured.items():
         print(f"{name:7s} {value:9.0f} B/token ({value / 1024:7.2f} KiB)  {notes[name]}")
     a, b, c = (int(measured[k]) for k in ("hidden", "logits", "topk"))

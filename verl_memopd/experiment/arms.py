@@ -1,4 +1,5 @@
-"""The matched arms: MemOPD, persistent-history teacher scoring, PPO only, OPD only (RL); off-policy KD (SFT, ``kd.py``).
+"""The matched arms: MemOPD, persistent-history teacher scoring, PPO only, OPD only (RL); off-policy KD (SFT,
+``kd.py``).
 
 Every arm starts from the chosen student SFT checkpoint and shares everything but its arm
 overrides (:data:`config.ARMS`): data order (``data.seed``), rollout seeds (``rollout.seed``, one
@@ -28,28 +29,40 @@ from verl_memopd.experiment.sft import fp32_export, start_models
 __all__ = ["arm_command", "run_arm", "stage_arms", "stage_sweep", "check_arm_overrides"]
 
 
-def arm_command(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, teacher,
-                variant: Variant | None = None) -> list[str]:
+def arm_command(
+    cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, teacher, variant: Variant | None = None
+) -> list[str]:
     """The arm's ``main_ppo`` command; ``variant`` changes the lr and/or appends overrides (sweep runs)."""
     a = cfg.arms
     lr = variant.lr if variant is not None and variant.lr is not None else a.lr
     run_dir = paths.arm(arm, seed) if variant is None else paths.sweep_run(variant.name, arm, seed)
     return main_ppo(
-        f"actor_rollout_ref.model.path={student}", f"memopd.teacher.path={teacher}", "ray_kwargs.ray_init.num_gpus=2",
-        f"data.train_files={paths.data / 'train.parquet'}", f"data.val_files={paths.data / 'val.parquet'}",
-        f"data.train_batch_size={a.episodes_per_step}", f"data.val_batch_size={cfg.n_val}",
+        f"actor_rollout_ref.model.path={student}",
+        f"memopd.teacher.path={teacher}",
+        "ray_kwargs.ray_init.num_gpus=2",
+        f"data.train_files={paths.data / 'train.parquet'}",
+        f"data.val_files={paths.data / 'val.parquet'}",
+        f"data.train_batch_size={a.episodes_per_step}",
+        f"data.val_batch_size={cfg.n_val}",
         f"actor_rollout_ref.rollout.n={a.samples_per_episode}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={a.episodes_per_step}",
-        f"actor_rollout_ref.actor.optim.lr={lr}", f"critic.optim.lr={lr}",  # the value head starts random
-        f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}",
+        f"actor_rollout_ref.actor.optim.lr={lr}",
+        f"critic.optim.lr={lr}",  # the value head starts random
+        f"data.seed={seed}",
+        f"actor_rollout_ref.rollout.seed={seed}",
         "actor_rollout_ref.rollout.enable_prefix_caching=false",
-        f"trainer.total_training_steps={a.steps}", f"trainer.test_freq={a.val_every}",
-        f"trainer.save_freq={a.val_every}", "trainer.val_before_train=true", "trainer.resume_mode=auto",
+        f"trainer.total_training_steps={a.steps}",
+        f"trainer.test_freq={a.val_every}",
+        f"trainer.save_freq={a.val_every}",
+        "trainer.val_before_train=true",
+        "trainer.resume_mode=auto",
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
         f"memopd.audit.every_n_steps={a.val_every}",
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
         f"trainer.experiment_name={run_dir.name}",
-        *cfg.arm_overrides, *ARMS[arm], *(variant.overrides if variant is not None else ()),
+        *cfg.arm_overrides,
+        *ARMS[arm],
+        *(variant.overrides if variant is not None else ()),
     )
 
 
@@ -63,8 +76,9 @@ def check_arm_overrides(arms: tuple[str, ...], variants: tuple[tuple[Variant, st
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    for arm, overrides in [(a, ARMS[a]) for a in arms] + [(f"{a} ({v.name})", ARMS[a] + v.overrides)
-                                                         for v, a in variants]:
+    for arm, overrides in [(a, ARMS[a]) for a in arms] + [
+        (f"{a} ({v.name})", ARMS[a] + v.overrides) for v, a in variants
+    ]:
         GlobalHydra.instance().clear()
         with initialize_config_module(config_module="verl.trainer.config", version_base=None):
             try:
@@ -78,9 +92,12 @@ def _train(cfg: ExperimentConfig, paths: Paths, run_dir: Path, what: str, comman
     """Run one arm's ``main_ppo`` into ``run_dir``; returns its final actor export (fp32 config)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     a = cfg.arms
-    print(f"[experiment {time.strftime('%H:%M:%S')}] {what}: {a.steps} steps x "
-          f"{a.episodes_per_step} episodes x {a.samples_per_episode} samples, val every {a.val_every} "
-          f"(progress: grep '^step:' {run_dir / 'main_ppo.log'})", flush=True)
+    print(
+        f"[experiment {time.strftime('%H:%M:%S')}] {what}: {a.steps} steps x "
+        f"{a.episodes_per_step} episodes x {a.samples_per_episode} samples, val every {a.val_every} "
+        f"(progress: grep '^step:' {run_dir / 'main_ppo.log'})",
+        flush=True,
+    )
     run_logged(heavy(command, cfg.timeout_s), run_dir / "main_ppo.log", cpu_env(paths.root), None, cwd=paths.root)
     final = run_dir / "checkpoints" / f"global_step_{a.steps}" / "actor" / "huggingface"
     if not (final / "config.json").is_file():
@@ -99,8 +116,12 @@ def _done(run_dir: Path, final: Path) -> dict:
     checkpoint the last attempt resumed from (0: it trained every step, and ``wall_s`` is the whole arm's)."""
     log = run_dir / "main_ppo.log"
     resumed = RESUMED.search(last_attempt(log))
-    return {"wall_s": round(heavy_wall_s(log), 1), "final_actor": str(final), "attempts": attempts(log),
-            "resumed_from_step": int(resumed.group(1)) if resumed else 0}
+    return {
+        "wall_s": round(heavy_wall_s(log), 1),
+        "final_actor": str(final),
+        "attempts": attempts(log),
+        "resumed_from_step": int(resumed.group(1)) if resumed else 0,
+    }
 
 
 def run_arm(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, teacher) -> None:
@@ -113,12 +134,20 @@ def run_arm(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, t
     if cfg.heldout:
         from verl_memopd.experiment.heldout import arm_heldout_kl
 
-        exports = {step: fp32_export(run_dir / "checkpoints" / f"global_step_{step}" / "actor" / "huggingface")
-                   for step in range(a.val_every, a.steps + 1, a.val_every)}
+        exports = {
+            step: fp32_export(run_dir / "checkpoints" / f"global_step_{step}" / "actor" / "huggingface")
+            for step in range(a.val_every, a.steps + 1, a.val_every)
+        }
         arm_heldout_kl(cfg, paths, arm, seed, exports, teacher)
     if cfg.final_evals:
-        done["test_f1"] = eval_model(final, paths.data / "test.parquet", run_dir / "test.json", cfg, paths,
-                                     {"role": arm, "seed": seed, "step": a.steps, "split": "test"})["f1"]
+        done["test_f1"] = eval_model(
+            final,
+            paths.data / "test.parquet",
+            run_dir / "test.json",
+            cfg,
+            paths,
+            {"role": arm, "seed": seed, "step": a.steps, "split": "test"},
+        )["f1"]
     (run_dir / "DONE.json").write_text(json.dumps(done) + "\n")
     prune_checkpoints(run_dir / "checkpoints")
 
@@ -156,8 +185,13 @@ def stage_sweep(cfg: ExperimentConfig, paths: Paths) -> None:
         if (run_dir / "DONE.json").is_file():
             print(f"[experiment] sweep {variant.name} {arm} seed {seed}: done", flush=True)
             continue
-        final = _train(cfg, paths, run_dir, f"sweep {variant.name} {arm} seed {seed}",
-                       arm_command(cfg, paths, arm, seed, student, teacher, variant))
+        final = _train(
+            cfg,
+            paths,
+            run_dir,
+            f"sweep {variant.name} {arm} seed {seed}",
+            arm_command(cfg, paths, arm, seed, student, teacher, variant),
+        )
         (run_dir / "DONE.json").write_text(json.dumps(_done(run_dir, final)) + "\n")
     from verl_memopd.experiment.report import stage_report
 

@@ -33,13 +33,17 @@ def score_calls(rows: Iterable[tuple[int, Sequence[dict]]], reply: Replier) -> l
     counts: dict[int, Counter] = {}
     for call, messages in rows:
         if not messages or messages[-1]["role"] != "assistant":
-            raise ValueError(f"call {call}: the last message must be the oracle's reply (role 'assistant'), "
-                             f"got {messages[-1]['role'] if messages else 'no messages'}")
+            raise ValueError(
+                f"call {call}: the last message must be the oracle's reply (role 'assistant'), "
+                f"got {messages[-1]['role'] if messages else 'no messages'}"
+            )
         got, want = reply(list(messages[:-1])).strip(), messages[-1]["content"].strip()
         got_lines, want_lines = _lines(got), _lines(want)
         c = counts.setdefault(call, Counter())
         c.update(n=1, exact=int(got == want), lines=len(want_lines & got_lines), lines_n=len(want_lines))
-    return [{"call": call, **{k: c[k] for k in ("exact", "n", "lines", "lines_n")}} for call, c in sorted(counts.items())]
+    return [
+        {"call": call, **{k: c[k] for k in ("exact", "n", "lines", "lines_n")}} for call, c in sorted(counts.items())
+    ]
 
 
 def _lines(text: str) -> set[str]:
@@ -56,13 +60,19 @@ def greedy_replier(model_dir: Path, max_new_tokens: int) -> Replier:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
 
     def reply(messages: Sequence[dict]) -> str:
-        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id)
-        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
     return reply
 

@@ -12,8 +12,21 @@ from pathlib import Path
 
 from verl_memopd.tasks.generator import HORIZONS
 
-__all__ = ["SftConfig", "ArmsConfig", "Variant", "SweepConfig", "ExperimentConfig", "ARMS", "KD_ARM",
-           "EXPERIMENTS", "full_config", "smoke_config", "smollm2_config", "smollm2_horizon_config", "Paths"]
+__all__ = [
+    "SftConfig",
+    "ArmsConfig",
+    "Variant",
+    "SweepConfig",
+    "ExperimentConfig",
+    "ARMS",
+    "KD_ARM",
+    "EXPERIMENTS",
+    "full_config",
+    "smoke_config",
+    "smollm2_config",
+    "smollm2_horizon_config",
+    "Paths",
+]
 
 #: arm name -> Hydra overrides on top of the shared arm command (everything else matched); every arm but
 #: :data:`KD_ARM` is one ``main_ppo`` run
@@ -52,8 +65,10 @@ class SftConfig:
         if self.steps < 1 or self.batch < 1 or self.save_every < 1:
             raise ValueError(f"SftConfig: steps, batch and save_every must be >= 1, got {self}")
         if self.steps % self.save_every:
-            raise ValueError(f"SftConfig: steps={self.steps} must be a multiple of save_every={self.save_every} "
-                             "(the final model is a saved checkpoint)")
+            raise ValueError(
+                f"SftConfig: steps={self.steps} must be a multiple of save_every={self.save_every} "
+                "(the final model is a saved checkpoint)"
+            )
 
 
 @dataclass(frozen=True)
@@ -103,10 +118,15 @@ class SweepConfig:
     def __post_init__(self) -> None:
         unknown = [a for a in self.arms + tuple(a for v in self.variants for a in v.only or ()) if a not in ARMS]
         names = [v.name for v in self.variants]
-        if unknown or len(set(names)) != len(names) or any(not n.replace(".", "").replace("-", "").isalnum()
-                                                           for n in names):
-            raise ValueError(f"SweepConfig: arms {self.arms} (and each variant's only; valid {sorted(ARMS)}), "
-                             f"variant names {names} must be unique and alphanumeric (with . or -)")
+        if (
+            unknown
+            or len(set(names)) != len(names)
+            or any(not n.replace(".", "").replace("-", "").isalnum() for n in names)
+        ):
+            raise ValueError(
+                f"SweepConfig: arms {self.arms} (and each variant's only; valid {sorted(ARMS)}), "
+                f"variant names {names} must be unique and alphanumeric (with . or -)"
+            )
 
     def runs(self) -> list[tuple[Variant, str]]:
         """(variant, arm) in run order: variant-major."""
@@ -138,7 +158,8 @@ class ExperimentConfig:
     #: per-command bound (seconds) for one eval or one arm; a hung verl run cannot stall the pipeline
     timeout_s: int = 5400
     #: where student and teacher start: "tiny" (random-init models built locally, ``verl_memopd.bench.tiny``) or a
-    #: pretrained model provisioned offline (``verl_memopd.experiment.models``, e.g. "smollm2"; both roles start from it)
+    #: pretrained model provisioned offline (``verl_memopd.experiment.models``, e.g. "smollm2"; both roles start
+    #: from it)
     base_model: str = "tiny"
     #: Hydra overrides every RL run of this experiment shares (arms, sweep), before each arm's own
     arm_overrides: tuple[str, ...] = ()
@@ -166,15 +187,21 @@ class ExperimentConfig:
         saved = range(self.student_sft.save_every, self.student_sft.steps + 1, self.student_sft.save_every)
         missing = [s for s in self.student_eval_steps if s not in saved]
         if (self.student_f1_band is not None and not self.student_eval_steps) or missing:
-            raise ValueError(f"student_eval_steps={self.student_eval_steps}: each must be a saved SFT step "
-                             f"(multiples of {self.student_sft.save_every} up to {self.student_sft.steps})")
+            raise ValueError(
+                f"student_eval_steps={self.student_eval_steps}: each must be a saved SFT step "
+                f"(multiples of {self.student_sft.save_every} up to {self.student_sft.steps})"
+            )
 
 
 def full_config() -> ExperimentConfig:
     """The measured experiment: a 4-layer/256 teacher SFT'd on 4k steps of the oracle's calls (~2 epochs), a
     2-layer/128 student after a short SFT, 3 arms x 3 seeds of RL from that student (sizes: CPU_NOTES.md probe)."""
     return ExperimentConfig(
-        name="cpu_tiny", data_seed=0, n_train=16384, n_val=64, n_test=64,
+        name="cpu_tiny",
+        data_seed=0,
+        n_train=16384,
+        n_val=64,
+        n_test=64,
         # 4000 steps, one cosine from peak lr 5e-4 to a floor of 1e-4 (run 5, to fit the 3 h budget: val loss 0.039,
         # val F1 0.801, test 0.754, SFT 93 min; runs/cpu_tiny_r5). Why a lower peak: at equal steps the run whose
         # lr had been lower over the last ~1000 steps had the lower val loss (run 3: 2000-step cosines at 1e-3 with
@@ -182,21 +209,33 @@ def full_config() -> ExperimentConfig:
         # run 4: one 4500-step cosine at 1e-3, val loss 0.056, F1 0.707; peak 3e-3: val loss 0.56 vs 0.37 at
         # step 250). Run 3 is runs/cpu_tiny/sft/teacher, run 4 under its archive/.
         teacher_sft=SftConfig(steps=4000, batch=32, lr=5e-4, save_every=250, warmup_steps=40, min_lr_ratio=0.2),
-        student_sft=SftConfig(steps=300, batch=32, lr=1e-3, save_every=50, step_s=1.2), student_eval_steps=(100, 200, 300),
+        student_sft=SftConfig(steps=300, batch=32, lr=1e-3, save_every=50, step_s=1.2),
+        student_eval_steps=(100, 200, 300),
         # RL lr = the student SFT's final lr (cosine floor 0.1 x 1e-3): the arms continue at the rate the
         # student was last trained with (1e-5 would move this 2-layer model ~1% in 30 Adam steps)
-        arms=ArmsConfig(steps=30, val_every=10, episodes_per_step=4, samples_per_episode=2, lr=1e-4,
-                        seeds=(0, 1, 2), arms=("memopd", "flat", "ppo")),
+        arms=ArmsConfig(
+            steps=30,
+            val_every=10,
+            episodes_per_step=4,
+            samples_per_episode=2,
+            lr=1e-4,
+            seeds=(0, 1, 2),
+            arms=("memopd", "flat", "ppo"),
+        ),
         # no arm beat the student at lr 1e-4: is the step too large, or the distillation term too strong?
         # "base" reruns the arms' own settings under the sweep's code (its reference if the code has moved on)
-        sweep=SweepConfig(variants=(Variant("base"), Variant("lr3e-5", lr=3e-5), Variant("lr1e-5", lr=1e-5),
-                                    Variant("lambda0.1", overrides=("memopd.distill.coef=0.1",), only=("memopd",)),
-                                    # which calls' supervision moves the memory: the answer call's or the memory calls'
-                                    Variant("mask-answer", overrides=("memopd.distill.teacher_mask=answer",),
-                                            only=("memopd",)),
-                                    Variant("mask-memory", overrides=("memopd.distill.teacher_mask=memory",),
-                                            only=("memopd",))),
-                          arms=("memopd", "ppo")),
+        sweep=SweepConfig(
+            variants=(
+                Variant("base"),
+                Variant("lr3e-5", lr=3e-5),
+                Variant("lr1e-5", lr=1e-5),
+                Variant("lambda0.1", overrides=("memopd.distill.coef=0.1",), only=("memopd",)),
+                # which calls' supervision moves the memory: the answer call's or the memory calls'
+                Variant("mask-answer", overrides=("memopd.distill.teacher_mask=answer",), only=("memopd",)),
+                Variant("mask-memory", overrides=("memopd.distill.teacher_mask=memory",), only=("memopd",)),
+            ),
+            arms=("memopd", "ppo"),
+        ),
     )
 
 
@@ -206,18 +245,28 @@ def smoke_config() -> ExperimentConfig:
     full = full_config()
     two_steps = SftConfig(steps=2, batch=4, lr=1e-3, save_every=2, warmup_steps=0)
     return replace(
-        full, name="cpu_tiny_smoke", n_train=64, n_val=4, n_test=4, timeout_s=900,
-        teacher_sft=two_steps, student_sft=two_steps, student_eval_steps=(),
-        student_f1_band=None, final_evals=False,
+        full,
+        name="cpu_tiny_smoke",
+        n_train=64,
+        n_val=4,
+        n_test=4,
+        timeout_s=900,
+        teacher_sft=two_steps,
+        student_sft=two_steps,
+        student_eval_steps=(),
+        student_f1_band=None,
+        final_evals=False,
         arms=replace(full.arms, steps=1, val_every=1, episodes_per_step=2, seeds=(0,), arms=tuple(ARMS)),
-        sweep=None, diagnose=False, heldout=True,
+        sweep=None,
+        diagnose=False,
+        heldout=True,
     )
 
 
 def smollm2_config() -> ExperimentConfig:
     """The evidence run on a pretrained model: student and teacher both start from SmolLM2-135M-Instruct
-    (``python -m verl_memopd.experiment.models smollm2``), the student after a short SFT on the oracle's calls (val F1 in
-    [0.2, 0.5]), the teacher after a longer one (aim >= 0.8); then 5 arms x 3 seeds of 10 RL steps.
+    (``python -m verl_memopd.experiment.models smollm2``), the student after a short SFT on the oracle's calls (val F1
+    in [0.2, 0.5]), the teacher after a longer one (aim >= 0.8); then 5 arms x 3 seeds of 10 RL steps.
 
     Sizes from a plain-PyTorch probe of the same task and model on 2 cores (student 20 SFT steps x 8 calls at lr
     3e-5: val F1 0.18-0.36; teacher 150 x 8 at 5e-5: 0.81; reverse-KL OPD at Adam lr 2e-5 from that student moved
@@ -226,22 +275,41 @@ def smollm2_config() -> ExperimentConfig:
     trainer's to ~1e-5, and audit steps still recompute and check them), which saves two forward passes a step.
     """
     return ExperimentConfig(
-        name="cpu_smollm2", data_seed=0, n_train=2048, n_val=32, n_test=64, base_model="smollm2",
+        name="cpu_smollm2",
+        data_seed=0,
+        n_train=2048,
+        n_val=32,
+        n_test=64,
+        base_model="smollm2",
         # step_s: 22 s a step of 8 calls (the horizon teacher's 300 steps took 6637 s alone on 2 cores, fp32)
-        teacher_sft=SftConfig(steps=150, batch=8, lr=5e-5, save_every=50, warmup_steps=2, min_lr_ratio=0.1,
-                              step_s=22.0),
+        teacher_sft=SftConfig(
+            steps=150, batch=8, lr=5e-5, save_every=50, warmup_steps=2, min_lr_ratio=0.1, step_s=22.0
+        ),
         # student step_s: 2302 s for 20 steps (measured 2026-12-07): a checkpoint + HF export every 5 steps dominates
-        student_sft=SftConfig(steps=20, batch=8, lr=3e-5, save_every=5, warmup_steps=2, min_lr_ratio=0.1,
-                              step_s=115.0),
-        student_eval_steps=(10, 15, 20), student_f1_band=(0.2, 0.5),
-        arms=ArmsConfig(steps=10, val_every=5, episodes_per_step=8, samples_per_episode=1, lr=2e-5,
-                        seeds=(0, 1, 2), arms=("memopd", "flat", "ppo", "opd", "kd")),
-        arm_overrides=("memopd.kl_penalty_coef=0", "algorithm.rollout_correction.bypass_mode=true",
-                       # 2 episodes per micro-batch (less padding); activation recomputation stays on (verl's
-                       # default): without it the colocated actor + critic + teacher process peaked past the
-                       # machine's 24 GB on the first audit step (measured: Ray's OOM kill at 22.0 GB, step 5)
-                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2"),
-        timeout_s=4 * 3600, sweep=None, heldout=True,
+        student_sft=SftConfig(steps=20, batch=8, lr=3e-5, save_every=5, warmup_steps=2, min_lr_ratio=0.1, step_s=115.0),
+        student_eval_steps=(10, 15, 20),
+        student_f1_band=(0.2, 0.5),
+        arms=ArmsConfig(
+            steps=10,
+            val_every=5,
+            episodes_per_step=8,
+            samples_per_episode=1,
+            lr=2e-5,
+            seeds=(0, 1, 2),
+            arms=("memopd", "flat", "ppo", "opd", "kd"),
+        ),
+        arm_overrides=(
+            "memopd.kl_penalty_coef=0",
+            "algorithm.rollout_correction.bypass_mode=true",
+            # 2 episodes per micro-batch (less padding); activation recomputation stays on (verl's
+            # default): without it the colocated actor + critic + teacher process peaked past the
+            # machine's 24 GB on the first audit step (measured: Ray's OOM kill at 22.0 GB, step 5)
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "critic.ppo_micro_batch_size_per_gpu=2",
+        ),
+        timeout_s=4 * 3600,
+        sweep=None,
+        heldout=True,
     )
 
 
@@ -257,9 +325,13 @@ def smollm2_horizon_config() -> ExperimentConfig:
     """
     base = smollm2_config()
     return replace(
-        base, name="cpu_smollm2_horizon", presets=tuple(f"h{t}" for t in HORIZONS), n_test=128,
+        base,
+        name="cpu_smollm2_horizon",
+        presets=tuple(f"h{t}" for t in HORIZONS),
+        n_test=128,
         teacher_sft=replace(base.teacher_sft, steps=300, warmup_steps=4),
-        student_eval_steps=(), student_f1_band=None,
+        student_eval_steps=(),
+        student_f1_band=None,
         arms=replace(base.arms, arms=("memopd", "opd", "kd", "flat")),
     )
 

@@ -30,8 +30,16 @@ from verl_memopd.experiment.launching import cpu_env, parse_steps
 from verl_memopd.experiment.runner import heavy, heavy_wall_s, run_logged
 from verl_memopd.experiment.sft import hf_export, start_models
 
-__all__ = ["eval_command", "eval_model", "eval_sft_checkpoint", "stage_eval", "chosen_student",
-           "diagnose_names", "stage_diagnose", "EvalResult"]
+__all__ = [
+    "eval_command",
+    "eval_model",
+    "eval_sft_checkpoint",
+    "stage_eval",
+    "chosen_student",
+    "diagnose_names",
+    "stage_diagnose",
+    "EvalResult",
+]
 
 EvalResult = dict  # {"role", "step", "split", "f1", "em", "wall_s", "model"} (+ "memory_recall", "memory_truncated")
 
@@ -39,29 +47,48 @@ EvalResult = dict  # {"role", "step", "split", "f1", "em", "wall_s", "model"} (+
 def eval_command(model: Path, val_file: Path, workdir: Path, val_batch: int) -> list[str]:
     """verl validation of ``model`` on ``val_file`` (greedy, the memory agent), nothing trained."""
     return main_ppo(
-        f"actor_rollout_ref.model.path={model}", "memopd.distill.coef=0", "memopd.kl_penalty_coef=0",
-        "algorithm.adv_estimator=grpo", "ray_kwargs.ray_init.num_gpus=1",
-        f"data.train_files={val_file}", f"data.val_files={val_file}",
-        "data.train_batch_size=2", f"data.val_batch_size={val_batch}", "actor_rollout_ref.rollout.n=1",
+        f"actor_rollout_ref.model.path={model}",
+        "memopd.distill.coef=0",
+        "memopd.kl_penalty_coef=0",
+        "algorithm.adv_estimator=grpo",
+        "ray_kwargs.ray_init.num_gpus=1",
+        f"data.train_files={val_file}",
+        f"data.val_files={val_file}",
+        "data.train_batch_size=2",
+        f"data.val_batch_size={val_batch}",
+        "actor_rollout_ref.rollout.n=1",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "trainer.val_only=true", "trainer.val_before_train=true", "trainer.total_training_steps=1",
-        "trainer.save_freq=-1", "trainer.test_freq=-1", f"trainer.default_local_dir={workdir / 'checkpoints'}",
+        "trainer.val_only=true",
+        "trainer.val_before_train=true",
+        "trainer.total_training_steps=1",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        f"trainer.default_local_dir={workdir / 'checkpoints'}",
         f"trainer.experiment_name=eval_{workdir.name}",
     )
 
 
-def eval_model(model: Path, split_file: Path, out_json: Path, cfg: ExperimentConfig, paths: Paths,
-               meta: dict) -> EvalResult:
+def eval_model(
+    model: Path, split_file: Path, out_json: Path, cfg: ExperimentConfig, paths: Paths, meta: dict
+) -> EvalResult:
     """Run one eval (or read it back if ``out_json`` exists); ``meta`` is stored with the scores."""
     if out_json.is_file():
         return json.loads(out_json.read_text())
     workdir = out_json.with_suffix("")
     n = cfg.n_val if "val" in split_file.name else cfg.n_test
-    print(f"[experiment {time.strftime('%H:%M:%S')}] eval {out_json.stem}: {n} episodes of {split_file.name}, "
-          f"{model} (ETA ~{60 + 3 * n:.0f} s alone, after the heavy lock)", flush=True)
+    print(
+        f"[experiment {time.strftime('%H:%M:%S')}] eval {out_json.stem}: {n} episodes of {split_file.name}, "
+        f"{model} (ETA ~{60 + 3 * n:.0f} s alone, after the heavy lock)",
+        flush=True,
+    )
     log = workdir / "main_ppo.log"
-    run_logged(heavy(eval_command(model, split_file, workdir, n), cfg.timeout_s), log, cpu_env(paths.root), None,
-               cwd=paths.root)
+    run_logged(
+        heavy(eval_command(model, split_file, workdir, n), cfg.timeout_s),
+        log,
+        cpu_env(paths.root),
+        None,
+        cwd=paths.root,
+    )
     wall = heavy_wall_s(log)
     scores = val_scores(parse_steps(read_log(log)).get(0, {}))
     if scores is None:
@@ -78,8 +105,9 @@ def eval_sft_checkpoint(cfg: ExperimentConfig, paths: Paths, role: str, step: in
     model = hf_export(paths.sft(role), step)
     out = paths.evals() / f"{role}_step{step}_{split}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    return eval_model(model, paths.data / f"{split}.parquet", out, cfg, paths,
-                      {"role": role, "step": step, "split": split})
+    return eval_model(
+        model, paths.data / f"{split}.parquet", out, cfg, paths, {"role": role, "step": step, "split": split}
+    )
 
 
 def chosen_student(cfg: ExperimentConfig, paths: Paths) -> int:
@@ -97,8 +125,10 @@ def chosen_student(cfg: ExperimentConfig, paths: Paths) -> int:
         measured[step] = eval_sft_checkpoint(cfg, paths, "student", step, "val")["f1"]
         if lo <= measured[step] <= hi:
             return step
-    raise RuntimeError(f"student SFT: no checkpoint with val F1 in [{lo}, {hi}]: {measured}; change "
-                       "student_sft / student_eval_steps in verl_memopd/experiment/config.py")
+    raise RuntimeError(
+        f"student SFT: no checkpoint with val F1 in [{lo}, {hi}]: {measured}; change "
+        "student_sft / student_eval_steps in verl_memopd/experiment/config.py"
+    )
 
 
 def stage_eval(cfg: ExperimentConfig, paths: Paths) -> None:
@@ -113,15 +143,24 @@ def stage_eval(cfg: ExperimentConfig, paths: Paths) -> None:
         teacher = eval_sft_checkpoint(cfg, paths, "teacher", cfg.teacher_sft.steps, "val")
         eval_sft_checkpoint(cfg, paths, "teacher", cfg.teacher_sft.steps, "test")
         if teacher["f1"] < cfg.teacher_f1_target:
-            print(f"[experiment] WARNING: teacher val F1 {teacher['f1']:.3f} < target {cfg.teacher_f1_target} "
-                  "(the arms still run; the report shows it)", flush=True)
+            print(
+                f"[experiment] WARNING: teacher val F1 {teacher['f1']:.3f} < target {cfg.teacher_f1_target} "
+                "(the arms still run; the report shows it)",
+                flush=True,
+            )
     if cfg.heldout:
         from verl_memopd.experiment.heldout import heldout_kl, teacher_handoff
 
         student, teacher = start_models(cfg, paths)
         teacher_handoff(cfg, paths, student, teacher)
-        heldout_kl(cfg, paths, student, teacher, paths.evals() / "heldout_kl_student.json",
-                   {"arm": "student", "seed": 0, "step": 0})
+        heldout_kl(
+            cfg,
+            paths,
+            student,
+            teacher,
+            paths.evals() / "heldout_kl_student.json",
+            {"arm": "student", "seed": 0, "step": 0},
+        )
 
 
 def _diagnosed_arms(cfg: ExperimentConfig, paths: Paths) -> list[tuple[str, Path]]:
@@ -152,10 +191,14 @@ def stage_diagnose(cfg: ExperimentConfig, paths: Paths) -> None:
         out = paths.diagnose / f"{name}_val.json"
         r = eval_model(model, paths.data / "val.parquet", out, cfg, paths, {"role": name, "split": "val"})
         if "memory_recall" not in r:
-            raise RuntimeError(f"{out}: no memory diagnostics; the agent loop that ran predates them "
-                               "(delete the file to rerun)")
+            raise RuntimeError(
+                f"{out}: no memory diagnostics; the agent loop that ran predates them (delete the file to rerun)"
+            )
         calls = paths.diagnose / f"{name}_calls.json"
         if not calls.is_file():
-            print(f"[experiment {time.strftime('%H:%M:%S')}] diagnose {name}: per-call accuracy from the oracle's "
-                  f"state ({paths.sft_data / 'val.parquet'}, ETA ~{cfg.n_val // 2} s)", flush=True)
+            print(
+                f"[experiment {time.strftime('%H:%M:%S')}] diagnose {name}: per-call accuracy from the oracle's "
+                f"state ({paths.sft_data / 'val.parquet'}, ETA ~{cfg.n_val // 2} s)",
+                flush=True,
+            )
         call_accuracy(model, paths.sft_data / "val.parquet", calls, budget)

@@ -7,8 +7,8 @@
 - **Held-out reverse KL** (``eval/heldout_rollouts.json``, then ``arms/<arm>_seed<s>/heldout_kl.json``): one fixed
   set of the start student's sampled rollouts of the val episodes (temperature 1, a fixed seed), and for a model
   the mean per-token KL(model || teacher) on their sampled tokens, each call run alone in the state it was
-  sampled in, overall and by call index (the drift along the episode). The same tokens for every arm and step, so the values compare across arms (unlike the training
-  KL, which each arm measures on its own rollouts).
+  sampled in, overall and by call index (the drift along the episode). The same tokens for every arm and step, so
+  the values compare across arms (unlike the training KL, which each arm measures on its own rollouts).
 """
 
 from __future__ import annotations
@@ -46,19 +46,30 @@ def teacher_handoff(cfg: ExperimentConfig, paths: Paths, student: Path, teacher:
     rows = _val_rows(paths)
     switches = range(len(rows[0]["extra_info"]["chunks"]) + 2)
     f1 = {int(t): v for t, v in json.loads(partial.read_text()).items()} if partial.is_file() else {}
-    print(f"[experiment {time.strftime('%H:%M:%S')}] eval handoff: the teacher takes over from the student at call t "
-          f"(val, greedy, Hugging Face generate; t = {switches.start}..{switches.stop - 1}, {len(f1)} done)", flush=True)
+    print(
+        f"[experiment {time.strftime('%H:%M:%S')}] eval handoff: the teacher takes over from the student at call t "
+        f"(val, greedy, Hugging Face generate; t = {switches.start}..{switches.stop - 1}, {len(f1)} done)",
+        flush=True,
+    )
     (s_model, tokenizer), (t_model, _) = load_model(student), load_model(teacher)
     for t in (t for t in switches if t not in f1):
         f1.update(handoff_f1(rows, s_model, t_model, tokenizer, **AGENT_TOKENS, switches=[t]))
         partial.write_text(json.dumps({str(k): v for k, v in sorted(f1.items())}) + "\n")
         print(f"[experiment {time.strftime('%H:%M:%S')}] eval handoff: t={t} F1 {f1[t]:.3f}", flush=True)
-    result = {"student": str(student), "teacher": str(teacher), "split": "val",
-              "f1_by_switch": {str(t): f1[t] for t in switches}, "wall_s": round(time.monotonic() - started, 1)}
+    result = {
+        "student": str(student),
+        "teacher": str(teacher),
+        "split": "val",
+        "f1_by_switch": {str(t): f1[t] for t in switches},
+        "wall_s": round(time.monotonic() - started, 1),
+    }
     out.write_text(json.dumps(result, indent=1) + "\n")
     partial.unlink()
-    print("[experiment] eval handoff: F1 by the call the teacher takes over at: "
-          + " ".join(f"{t}:{f1[t]:.3f}" for t in switches), flush=True)
+    print(
+        "[experiment] eval handoff: F1 by the call the teacher takes over at: "
+        + " ".join(f"{t}:{f1[t]:.3f}" for t in switches),
+        flush=True,
+    )
     return result
 
 
@@ -72,14 +83,24 @@ def heldout_rollouts(cfg: ExperimentConfig, paths: Paths, student: Path):
         model, tokenizer = load_model(student)
         episodes = agent_calls(_val_rows(paths), [model], tokenizer, sample=True, seed=HELDOUT_SEED, **AGENT_TOKENS)
         calls = [asdict(c) for e in episodes for c in e.calls]
-        out.write_text(json.dumps({"student": str(student), "seed": HELDOUT_SEED, "calls": calls,
-                                   "student_f1": sum(e.f1 for e in episodes) / len(episodes)}) + "\n")
-    return [AgentCall(**{k: tuple(v) if isinstance(v, list) else v for k, v in c.items()})
-            for c in json.loads(out.read_text())["calls"]]
+        out.write_text(
+            json.dumps(
+                {
+                    "student": str(student),
+                    "seed": HELDOUT_SEED,
+                    "calls": calls,
+                    "student_f1": sum(e.f1 for e in episodes) / len(episodes),
+                }
+            )
+            + "\n"
+        )
+    return [
+        AgentCall(**{k: tuple(v) if isinstance(v, list) else v for k, v in c.items()})
+        for c in json.loads(out.read_text())["calls"]
+    ]
 
 
-def heldout_kl(cfg: ExperimentConfig, paths: Paths, model_dir: Path, teacher: Path, out_json: Path,
-               meta: dict) -> dict:
+def heldout_kl(cfg: ExperimentConfig, paths: Paths, model_dir: Path, teacher: Path, out_json: Path, meta: dict) -> dict:
     """Mean per-token KL(model || teacher) on the held-out rollouts (cached in ``out_json``)."""
     from verl_memopd.experiment.hf_agent import load_model, reverse_kl_on_calls
     from verl_memopd.experiment.sft import start_models
@@ -90,18 +111,30 @@ def heldout_kl(cfg: ExperimentConfig, paths: Paths, model_dir: Path, teacher: Pa
     calls = heldout_rollouts(cfg, paths, start_models(cfg, paths)[0])
     (model, _), (t_model, _) = load_model(model_dir), load_model(teacher)
     kl, by_call = reverse_kl_on_calls(model, t_model, calls)
-    result = {**meta, "heldout_reverse_kl": kl, "heldout_reverse_kl_by_call": {str(k): v for k, v in by_call.items()},
-              "tokens": sum(len(c.response_ids) for c in calls),
-              "model": str(model_dir), "wall_s": round(time.monotonic() - started, 1)}
+    result = {
+        **meta,
+        "heldout_reverse_kl": kl,
+        "heldout_reverse_kl_by_call": {str(k): v for k, v in by_call.items()},
+        "tokens": sum(len(c.response_ids) for c in calls),
+        "model": str(model_dir),
+        "wall_s": round(time.monotonic() - started, 1),
+    }
     out_json.write_text(json.dumps(result, indent=1) + "\n")
     print(f"[experiment] held-out reverse KL {out_json.parent.name}/{out_json.name}: {kl:.4f}", flush=True)
     return result
 
 
-def arm_heldout_kl(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, exports: dict[int, Path],
-                   teacher: Path) -> None:
+def arm_heldout_kl(
+    cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, exports: dict[int, Path], teacher: Path
+) -> None:
     """Held-out reverse KL of an arm's model at each of its saved steps (``exports``: step -> HF folder)."""
     run_dir = paths.arm(arm, seed)
     for step, model in sorted(exports.items()):
-        heldout_kl(cfg, paths, model, teacher, run_dir / f"heldout_kl_step{step}.json",
-                   {"arm": arm, "seed": seed, "step": step})
+        heldout_kl(
+            cfg,
+            paths,
+            model,
+            teacher,
+            run_dir / f"heldout_kl_step{step}.json",
+            {"arm": arm, "seed": seed, "step": step},
+        )

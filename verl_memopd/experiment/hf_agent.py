@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["AgentCall", "AgentEpisode", "load_model", "agent_calls", "handoff_f1", "reverse_kl_on_calls",
-           "sft_rows"]
+__all__ = ["AgentCall", "AgentEpisode", "load_model", "agent_calls", "handoff_f1", "reverse_kl_on_calls", "sft_rows"]
 
 
 @dataclass(frozen=True)
@@ -63,8 +62,15 @@ def _stop_ids(model, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def _generate(model, prompts: Sequence[Sequence[int]], budget: int, pad_id: int, stop_ids: list[int],
-              sample: bool, seed: int | None) -> list[tuple[int, ...]]:
+def _generate(
+    model,
+    prompts: Sequence[Sequence[int]],
+    budget: int,
+    pad_id: int,
+    stop_ids: list[int],
+    sample: bool,
+    seed: int | None,
+) -> list[tuple[int, ...]]:
     """Batched generation from token-id prompts (left padded); each reply cut after its first stop id."""
     import torch
 
@@ -72,14 +78,22 @@ def _generate(model, prompts: Sequence[Sequence[int]], budget: int, pad_id: int,
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     if seed is not None:
         torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=budget, do_sample=sample,
-                             temperature=1.0 if sample else None, top_p=1.0 if sample else None, top_k=0 if sample else None,
-                             eos_token_id=stop_ids, pad_token_id=pad_id)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=budget,
+            do_sample=sample,
+            temperature=1.0 if sample else None,
+            top_p=1.0 if sample else None,
+            top_k=0 if sample else None,
+            eos_token_id=stop_ids,
+            pad_token_id=pad_id,
+        )
     replies = []
     for row in out[:, width:].tolist():
         cut = next((j + 1 for j, t in enumerate(row) if t in stop_ids), len(row))
@@ -87,9 +101,17 @@ def _generate(model, prompts: Sequence[Sequence[int]], budget: int, pad_id: int,
     return replies
 
 
-def agent_calls(rows: Sequence[dict], models: Sequence, tokenizer, memory_tokens: int, answer_tokens: int,
-                switch_at: int | None = None, sample: bool = False, seed: int | None = None,
-                batch: int = 32) -> list[AgentEpisode]:
+def agent_calls(
+    rows: Sequence[dict],
+    models: Sequence,
+    tokenizer,
+    memory_tokens: int,
+    answer_tokens: int,
+    switch_at: int | None = None,
+    sample: bool = False,
+    seed: int | None = None,
+    batch: int = 32,
+) -> list[AgentEpisode]:
     """Run the memory agent over ``rows`` (dataset rows: ``prompt``, ``extra_info``, ``reward_model``).
 
     ``models``: one model, or (first, second) with ``switch_at`` = the first call served by ``second`` (0 = all
@@ -104,13 +126,16 @@ def agent_calls(rows: Sequence[dict], models: Sequence, tokenizer, memory_tokens
     first, second = (models[0], models[-1])
     out: list[AgentEpisode] = []
     for start in range(0, len(rows), batch):
-        group = rows[start:start + batch]
+        group = rows[start : start + batch]
         tasks = [parse_row(r["extra_info"], r["reward_model"]) for r in group]
-        contexts = [CallContext(tokenizer, list(r["prompt"]), MemoryPrompts(), where=t.where) for r, t in zip(group, tasks)]
+        contexts = [
+            CallContext(tokenizer, list(r["prompt"]), MemoryPrompts(), where=t.where) for r, t in zip(group, tasks)
+        ]
         n_calls = {len(t.chunks) + 1 for t in tasks}
         if len(n_calls) != 1:
-            raise ValueError(f"rows {start}..{start + len(group) - 1}: episodes with different call counts {n_calls} "
-                             "in one batch")
+            raise ValueError(
+                f"rows {start}..{start + len(group) - 1}: episodes with different call counts {n_calls} in one batch"
+            )
         n = n_calls.pop()
         memories: list[tuple[int, ...]] = [()] * len(group)
         calls: list[list[AgentCall]] = [[] for _ in group]
@@ -119,8 +144,10 @@ def agent_calls(rows: Sequence[dict], models: Sequence, tokenizer, memory_tokens
             model = second if switch_at is not None and t >= switch_at else first
             texts = [tokenizer.decode(m, skip_special_tokens=True) for m in memories]
             if t < n - 1:
-                prompts = [c.prefix_ids + c.memory_call(m, task.chunks[t], t, n - 1)
-                           for c, m, task in zip(contexts, memories, tasks)]
+                prompts = [
+                    c.prefix_ids + c.memory_call(m, task.chunks[t], t, n - 1)
+                    for c, m, task in zip(contexts, memories, tasks)
+                ]
                 users = [prompts_text.memory_message(x, task.chunks[t], t, n - 1) for x, task in zip(texts, tasks)]
                 budget = memory_tokens
             else:
@@ -128,8 +155,15 @@ def agent_calls(rows: Sequence[dict], models: Sequence, tokenizer, memory_tokens
                 users = [prompts_text.answer_message(x) for x in texts]
                 budget = answer_tokens
             stops = _stop_ids(model, tokenizer)
-            replies = _generate(model, prompts, budget, tokenizer.pad_token_id, stops, sample,
-                                None if seed is None else seed * 1000 + start * 10 + t)
+            replies = _generate(
+                model,
+                prompts,
+                budget,
+                tokenizer.pad_token_id,
+                stops,
+                sample,
+                None if seed is None else seed * 1000 + start * 10 + t,
+            )
             memories = [r[:-1] if r and r[-1] in stops else r for r in replies]
             for i, (p, r, u, m) in enumerate(zip(prompts, replies, users, memories)):
                 calls[i].append(AgentCall(t, tuple(p), r, u, tokenizer.decode(m, skip_special_tokens=True)))
@@ -140,15 +174,24 @@ def agent_calls(rows: Sequence[dict], models: Sequence, tokenizer, memory_tokens
     return out
 
 
-def handoff_f1(rows: Sequence[dict], student, teacher, tokenizer, memory_tokens: int, answer_tokens: int,
-               batch: int = 32, switches: Sequence[int] | None = None) -> dict[int, float]:
+def handoff_f1(
+    rows: Sequence[dict],
+    student,
+    teacher,
+    tokenizer,
+    memory_tokens: int,
+    answer_tokens: int,
+    batch: int = 32,
+    switches: Sequence[int] | None = None,
+) -> dict[int, float]:
     """Mean F1 when the teacher takes over at call ``t`` (greedy), for every ``t`` of ``switches`` (default: every
     ``t`` from 0, the teacher alone, to the number of calls, the student alone)."""
     n = len(rows[0]["extra_info"]["chunks"]) + 1
     result = {}
     for t in range(n + 1) if switches is None else switches:
-        episodes = agent_calls(rows, (student, teacher), tokenizer, memory_tokens, answer_tokens, switch_at=t,
-                               batch=batch)
+        episodes = agent_calls(
+            rows, (student, teacher), tokenizer, memory_tokens, answer_tokens, switch_at=t, batch=batch
+        )
         result[t] = sum(e.f1 for e in episodes) / len(episodes)
     return result
 
@@ -162,14 +205,14 @@ def reverse_kl_on_calls(model, teacher, calls: Sequence[AgentCall], batch: int =
     total: dict[int, float] = {}
     count: dict[int, int] = {}
     for start in range(0, len(calls), batch):
-        group = calls[start:start + batch]
+        group = calls[start : start + batch]
         seqs = [c.prompt_ids + c.response_ids for c in group]
         width = max(len(s) for s in seqs)
         ids = torch.zeros((len(seqs), width), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, s in enumerate(seqs):
-            ids[i, :len(s)] = torch.tensor(s)
-            mask[i, :len(s)] = 1
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
         with torch.no_grad():
             lp_m = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)
             lp_t = torch.log_softmax(teacher(input_ids=ids, attention_mask=mask).logits.float(), -1)
@@ -188,6 +231,14 @@ def sft_rows(rows: Sequence[dict], episodes: Sequence[AgentEpisode]) -> list[dic
     out = []
     for row, episode in zip(rows, episodes, strict=True):
         for c in episode.calls:
-            out.append({"messages": [*map(dict, row["prompt"]), {"role": "user", "content": c.user},
-                                     {"role": "assistant", "content": c.reply}], "call": c.call})
+            out.append(
+                {
+                    "messages": [
+                        *map(dict, row["prompt"]),
+                        {"role": "user", "content": c.user},
+                        {"role": "assistant", "content": c.reply},
+                    ],
+                    "call": c.call,
+                }
+            )
     return out

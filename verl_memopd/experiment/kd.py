@@ -41,8 +41,14 @@ def kd_episode_indices(n_train: int, seed: int, count: int) -> list[int]:
 def kd_sft_config(cfg: ExperimentConfig, calls_per_episode: int) -> SftConfig:
     """The RL arms' steps and lr as an SFT run: a batch = the calls of one step's episodes, constant lr."""
     a = cfg.arms
-    return SftConfig(steps=a.steps, batch=a.episodes_per_step * a.samples_per_episode * calls_per_episode, lr=a.lr,
-                     save_every=a.val_every, warmup_steps=0, min_lr_ratio=1.0)
+    return SftConfig(
+        steps=a.steps,
+        batch=a.episodes_per_step * a.samples_per_episode * calls_per_episode,
+        lr=a.lr,
+        save_every=a.val_every,
+        warmup_steps=0,
+        min_lr_ratio=1.0,
+    )
 
 
 def _teacher_traces(cfg: ExperimentConfig, paths: Paths, run_dir: Path, seed: int, teacher: Path) -> Path:
@@ -65,11 +71,22 @@ def _teacher_traces(cfg: ExperimentConfig, paths: Paths, run_dir: Path, seed: in
     pd.DataFrame(sft_rows(rows, episodes)).to_parquet(out.with_suffix(".tmp.parquet"))
     out.with_suffix(".tmp.parquet").rename(out)
     f1 = sum(e.f1 for e in episodes) / len(episodes)
-    (run_dir / "teacher_traces.json").write_text(json.dumps(
-        {"episode_indices": indices, "teacher_f1": f1, "episodes": len(episodes),
-         "wall_s": round(time.monotonic() - started, 1)}, indent=1) + "\n")
-    print(f"[experiment] kd seed {seed}: teacher trajectories of {len(episodes)} episodes, teacher F1 {f1:.4f}",
-          flush=True)
+    (run_dir / "teacher_traces.json").write_text(
+        json.dumps(
+            {
+                "episode_indices": indices,
+                "teacher_f1": f1,
+                "episodes": len(episodes),
+                "wall_s": round(time.monotonic() - started, 1),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    print(
+        f"[experiment] kd seed {seed}: teacher trajectories of {len(episodes)} episodes, teacher F1 {f1:.4f}",
+        flush=True,
+    )
     return out
 
 
@@ -92,23 +109,38 @@ def run_kd_arm(cfg: ExperimentConfig, paths: Paths, seed: int, student: Path, te
 
     calls = int(pd.read_parquet(traces, columns=["call"])["call"].max()) + 1
     sft = kd_sft_config(cfg, calls)
-    print(f"[experiment {time.strftime('%H:%M:%S')}] arm {KD_ARM} seed {seed}: verl SFT on the teacher's "
-          f"trajectories, {sft.steps} steps x {sft.batch} calls, lr {sft.lr}", flush=True)
+    print(
+        f"[experiment {time.strftime('%H:%M:%S')}] arm {KD_ARM} seed {seed}: verl SFT on the teacher's "
+        f"trajectories, {sft.steps} steps x {sft.batch} calls, lr {sft.lr}",
+        flush=True,
+    )
     started = time.monotonic()
     final = run_sft(student, data, run_dir / "sft", sft, f"{KD_ARM}_seed{seed}", cpu_env(paths.root))
     wall = time.monotonic() - started
     saved = {step: hf_export(run_dir / "sft", step) for step in range(sft.save_every, sft.steps + 1, sft.save_every)}
     for step, model in saved.items():
-        eval_model(model, paths.data / "val.parquet", run_dir / f"val_step{step}.json", cfg, paths,
-                   {"role": KD_ARM, "seed": seed, "step": step, "split": "val"})
+        eval_model(
+            model,
+            paths.data / "val.parquet",
+            run_dir / f"val_step{step}.json",
+            cfg,
+            paths,
+            {"role": KD_ARM, "seed": seed, "step": step, "split": "val"},
+        )
     if cfg.heldout:
         from verl_memopd.experiment.heldout import arm_heldout_kl
 
         arm_heldout_kl(cfg, paths, KD_ARM, seed, saved, teacher)
     done = {"wall_s": round(wall, 1), "final_actor": str(final), "attempts": attempts(run_dir / "sft" / "sft.log")}
     if cfg.final_evals:
-        done["test_f1"] = eval_model(final, paths.data / "test.parquet", run_dir / "test.json", cfg, paths,
-                                     {"role": KD_ARM, "seed": seed, "step": sft.steps, "split": "test"})["f1"]
+        done["test_f1"] = eval_model(
+            final,
+            paths.data / "test.parquet",
+            run_dir / "test.json",
+            cfg,
+            paths,
+            {"role": KD_ARM, "seed": seed, "step": sft.steps, "split": "test"},
+        )["f1"]
     (run_dir / "DONE.json").write_text(json.dumps(done) + "\n")
     from verl_memopd.experiment.launching import prune_checkpoints
 

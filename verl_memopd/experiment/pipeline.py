@@ -15,8 +15,8 @@
                   their per-call accuracy from the oracle's state                        diagnose/<model>_calls.json
     report        results/<name>/metrics.csv (from every stage's outputs), f1.png,       always rerun
                   diagnostics.csv, call_accuracy.csv (and sensitivity.csv once a sweep ran)
-    sweep         a follow-up, not in the default run (``--until sweep`` / ``--only      sweep/<variant>_<arm>_seed<s>/DONE.json
-                  sweep``; ~40 min): sensitivity on val only, the arms rerun at seed 0
+    sweep         a follow-up, not in the default run (``--until sweep`` /     sweep/<variant>_<arm>_seed<s>/DONE.json
+                  ``--only sweep``; ~40 min): sensitivity on val only, the arms rerun at seed 0
                   with one setting changed (lr, lambda, teacher mask), no test eval;
                   ends with the report (sensitivity.csv)
 
@@ -76,9 +76,26 @@ def _build_preset(cfg: ExperimentConfig, paths: Paths, preset: str) -> None:
     """``paths.data`` episodes of ``preset`` and their oracle traces in ``paths.sft_data``."""
     from verl_memopd.experiment.sft import build_sft_data
 
-    run_checked([sys.executable, "-m", "verl_memopd.tasks", "build", "--out", str(paths.data), "--preset", preset,
-                 "--seed", str(cfg.data_seed), "--n-train", str(cfg.n_train), "--n-val", str(cfg.n_val),
-                 "--n-test", str(cfg.n_test)])
+    run_checked(
+        [
+            sys.executable,
+            "-m",
+            "verl_memopd.tasks",
+            "build",
+            "--out",
+            str(paths.data),
+            "--preset",
+            preset,
+            "--seed",
+            str(cfg.data_seed),
+            "--n-train",
+            str(cfg.n_train),
+            "--n-val",
+            str(cfg.n_val),
+            "--n-test",
+            str(cfg.n_test),
+        ]
+    )
     build_sft_data(paths.data, paths.sft_data)
 
 
@@ -87,8 +104,10 @@ def stage_data(cfg: ExperimentConfig, paths: Paths) -> None:
     is every preset's traces concatenated (``sft_data.mix_traces``)."""
     if (paths.sft_data / "train.parquet").is_file():
         return _say(f"data: done ({paths.data}, {paths.sft_data})")
-    _say(f"data: {cfg.n_train}/{cfg.n_val}/{cfg.n_test} episodes x {len(cfg.presets)} preset(s) {cfg.presets} + "
-         f"oracle traces (ETA ~{len(cfg.presets) * (5 + cfg.n_train // 1000)} s)")
+    _say(
+        f"data: {cfg.n_train}/{cfg.n_val}/{cfg.n_test} episodes x {len(cfg.presets)} preset(s) {cfg.presets} + "
+        f"oracle traces (ETA ~{len(cfg.presets) * (5 + cfg.n_train // 1000)} s)"
+    )
     if len(cfg.presets) == 1:
         return _build_preset(cfg, paths, cfg.presets[0])
     from verl_memopd.experiment.sft import mix_traces
@@ -108,15 +127,18 @@ def _stage_sft(role: str, cfg: ExperimentConfig, paths: Paths) -> None:
     if done is not None and done["steps"] == sft.steps:
         return _say(f"sft_{role}: done ({done['hf']})")
     start = 0 if done is None else done["steps"]
-    _say(f"sft_{role}: {'' if done is None else f'extending {start} -> '}{sft.steps} steps x {sft.batch} "
-         f"calls, lr {sft.lr}, checkpoint every {sft.save_every} (ETA ~{(sft.steps - start) * sft.step_s / 60:.0f} "
-         f"min alone; progress: tail -f {run_dir / 'sft.log'})")
+    _say(
+        f"sft_{role}: {'' if done is None else f'extending {start} -> '}{sft.steps} steps x {sft.batch} "
+        f"calls, lr {sft.lr}, checkpoint every {sft.save_every} (ETA ~{(sft.steps - start) * sft.step_s / 60:.0f} "
+        f"min alone; progress: tail -f {run_dir / 'sft.log'})"
+    )
     hf = run_sft(paths.models / role, paths.sft_data, run_dir, sft, f"sft_{role}", cpu_env(paths.root))
     _say(f"sft_{role}: done -> {hf}")
 
 
 def _later(module: str, function: str):
     """A stage function imported when it runs (plotting and verl launch code load only if needed)."""
+
     def stage(cfg: ExperimentConfig, paths: Paths) -> None:
         import importlib
 
@@ -140,8 +162,13 @@ def _stage_lock(paths: Paths, name: str):
         yield
 
 
-def run_pipeline(cfg: ExperimentConfig, paths: Paths, until: str = EXPERIMENT_END, only: str | None = None,
-                 presets: tuple[str, ...] | None = None) -> None:
+def run_pipeline(
+    cfg: ExperimentConfig,
+    paths: Paths,
+    until: str = EXPERIMENT_END,
+    only: str | None = None,
+    presets: tuple[str, ...] | None = None,
+) -> None:
     """Run every stage up to and including ``until`` (or just ``only``), skipping finished ones.
 
     ``presets``: the presets the per-preset stages run on, in this order (default: all of ``cfg.presets``); the
@@ -153,11 +180,14 @@ def run_pipeline(cfg: ExperimentConfig, paths: Paths, until: str = EXPERIMENT_EN
     if unknown or (presets is not None and len(set(presets)) != len(presets)):
         raise ValueError(f"presets {presets!r}: each must be one of the experiment's presets {cfg.presets}, once")
     steps = {
-        "models": stage_models, "data": stage_data,
+        "models": stage_models,
+        "data": stage_data,
         "sft_student": lambda c, p: _stage_sft("student", c, p),
         "sft_teacher": lambda c, p: _stage_sft("teacher", c, p),
-        "eval": _later("evaluate", "stage_eval"), "arms": _later("arms", "stage_arms"),
-        "sweep": _later("arms", "stage_sweep"), "diagnose": _later("evaluate", "stage_diagnose"),
+        "eval": _later("evaluate", "stage_eval"),
+        "arms": _later("arms", "stage_arms"),
+        "sweep": _later("arms", "stage_sweep"),
+        "diagnose": _later("evaluate", "stage_diagnose"),
         "report": _later("report", "stage_report"),
     }
     paths.root.mkdir(parents=True, exist_ok=True)

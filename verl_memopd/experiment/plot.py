@@ -17,8 +17,15 @@ from pathlib import Path
 
 __all__ = ["band", "plot_metrics"]
 
-COLORS = {"memopd": "tab:blue", "flat": "tab:orange", "ppo": "tab:green", "opd": "tab:purple", "kd": "tab:brown",
-          "teacher": "black", "student": "tab:gray"}
+COLORS = {
+    "memopd": "tab:blue",
+    "flat": "tab:orange",
+    "ppo": "tab:green",
+    "opd": "tab:purple",
+    "kd": "tab:brown",
+    "teacher": "black",
+    "student": "tab:gray",
+}
 ARMS = ("memopd", "flat", "ppo", "opd", "kd")
 
 
@@ -29,8 +36,12 @@ def band(rows: list[dict], arm: str, split: str, key: str) -> tuple[list[int], l
         if r["arm"] == arm and r["split"] == split and r[key] is not None:
             by_step[r["step"]].append(r[key])
     steps = sorted(by_step)
-    return (steps, [sum(by_step[s]) / len(by_step[s]) for s in steps], [min(by_step[s]) for s in steps],
-            [max(by_step[s]) for s in steps])
+    return (
+        steps,
+        [sum(by_step[s]) / len(by_step[s]) for s in steps],
+        [min(by_step[s]) for s in steps],
+        [max(by_step[s]) for s in steps],
+    )
 
 
 def _reference(rows: list[dict], role: str) -> float | None:
@@ -94,10 +105,26 @@ def plot_metrics(rows: list[dict], out: Path, handoff: dict[int, float] | None =
     if ax_f1.lines:
         ax_f1.legend(fontsize=8)
 
-    _kl_panel(ax_kl, rows, "train", "-", "training reverse KL to the teacher (own rollouts)", "RL step",
-              "reverse KL (nats/token)", "reverse KL")
-    _kl_panel(ax_held, rows, "heldout", "o-", "held-out reverse KL (fixed start-student rollouts)", "step",
-              "KL(model || teacher), nats/token", "held-out reverse KL")
+    _kl_panel(
+        ax_kl,
+        rows,
+        "train",
+        "-",
+        "training reverse KL to the teacher (own rollouts)",
+        "RL step",
+        "reverse KL (nats/token)",
+        "reverse KL",
+    )
+    _kl_panel(
+        ax_held,
+        rows,
+        "heldout",
+        "o-",
+        "held-out reverse KL (fixed start-student rollouts)",
+        "step",
+        "KL(model || teacher), nats/token",
+        "held-out reverse KL",
+    )
 
     if handoff:
         calls = sorted(handoff)
@@ -105,8 +132,11 @@ def plot_metrics(rows: list[dict], out: Path, handoff: dict[int, float] | None =
         ax_hand.set(ylim=(0, 1))
     else:
         _empty(ax_hand, "teacher from the student's state")
-    ax_hand.set(title="teacher takes over from the start student at call t", xlabel="t (0: teacher alone; last: student alone)",
-                ylabel="val F1")
+    ax_hand.set(
+        title="teacher takes over from the start student at call t",
+        xlabel="t (0: teacher alone; last: student alone)",
+        ylabel="val F1",
+    )
 
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

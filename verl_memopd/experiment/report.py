@@ -15,8 +15,9 @@ duplicates. One row per (arm, seed, step, split):
              wall seconds of the eval (test rows of arms: of the whole arm run, startup included)
 
 ``handoff.csv`` (the eval stage, ``heldout.py``): val F1 when the teacher takes over from the start student at
-call t. ``experiment.json``: the experiment's name, base model, arms, seeds and steps (the summary line's ``model=``), and
-each finished run's ``DONE.json`` record (``runs``: wall seconds, test F1, attempts, the step a retry resumed from).
+call t. ``experiment.json``: the experiment's name, base model, arms, seeds and steps (the summary line's
+``model=``), and each finished run's ``DONE.json`` record (``runs``: wall seconds, test F1, attempts, the step a
+retry resumed from).
 ``sensitivity.csv`` (the sweep stage) has the same columns; its arm is ``<arm>@<variant>`` (e.g.
 ``memopd@lr3e-5``), its rows train and val only. ``diagnostics.csv`` (the diagnose stage): one row per
 model (teacher, student, ``<arm>_seed<s>``), :data:`DIAGNOSTIC_COLUMNS`; ``call_accuracy.csv`` (also the
@@ -35,21 +36,45 @@ from verl_memopd.experiment.config import ARMS, KD_ARM, ExperimentConfig, Paths
 from verl_memopd.experiment.launch import read_log, val_scores
 from verl_memopd.experiment.launching import parse_steps
 
-__all__ = ["COLUMNS", "DIAGNOSTIC_COLUMNS", "CALL_COLUMNS", "collect_rows", "collect_sweep_rows", "write_metrics",
-           "read_metrics", "read_experiment", "summary_lines", "markdown_lines", "sensitivity_lines",
-           "diagnostic_lines", "call_accuracy_lines", "stage_report"]
+__all__ = [
+    "COLUMNS",
+    "DIAGNOSTIC_COLUMNS",
+    "CALL_COLUMNS",
+    "collect_rows",
+    "collect_sweep_rows",
+    "write_metrics",
+    "read_metrics",
+    "read_experiment",
+    "summary_lines",
+    "markdown_lines",
+    "sensitivity_lines",
+    "diagnostic_lines",
+    "call_accuracy_lines",
+    "stage_report",
+]
 
 COLUMNS = ("arm", "seed", "step", "split", "f1", "em", "reverse_kl", "teacher_aligned_vs_flat_kl", "wall_s")
 Row = dict
 DIAGNOSTIC_COLUMNS = ("model", "split", "f1", "em", "memory_recall", "memory_truncated")
-#: call_accuracy.csv: per call index given the oracle's state (val traces; calls.py), exact replies and oracle lines kept
+#: call_accuracy.csv: per call index given the oracle's state (val traces; calls.py), exact replies and oracle lines
+#: kept
 CALL_COLUMNS = ("model", "call", "exact", "n", "accuracy", "lines", "lines_n", "line_recall")
 
 
-def _row(arm: str, seed: int, step: int, split: str, f1=None, em=None, reverse_kl=None, flat_kl=None,
-         wall_s=None) -> Row:
-    return {"arm": arm, "seed": seed, "step": step, "split": split, "f1": f1, "em": em, "reverse_kl": reverse_kl,
-            "teacher_aligned_vs_flat_kl": flat_kl, "wall_s": wall_s}
+def _row(
+    arm: str, seed: int, step: int, split: str, f1=None, em=None, reverse_kl=None, flat_kl=None, wall_s=None
+) -> Row:
+    return {
+        "arm": arm,
+        "seed": seed,
+        "step": step,
+        "split": split,
+        "f1": f1,
+        "em": em,
+        "reverse_kl": reverse_kl,
+        "teacher_aligned_vs_flat_kl": flat_kl,
+        "wall_s": wall_s,
+    }
 
 
 def _sft_rows(paths: Paths) -> list[Row]:
@@ -76,9 +101,19 @@ def _arm_rows(arm: str, seed: int, run_dir: Path) -> list[Row]:
         m = steps[step]
         if step > 0 and "timing_s/step" in m:
             wall += m["timing_s/step"]
-            rows.append(_row(arm, seed, step, "train", m.get("critic/score/mean"), None,
-                             m.get("actor/memopd/reverse_kl"), m.get("actor/memopd/audit/teacher_aligned_vs_flat_kl"),
-                             round(wall, 1)))
+            rows.append(
+                _row(
+                    arm,
+                    seed,
+                    step,
+                    "train",
+                    m.get("critic/score/mean"),
+                    None,
+                    m.get("actor/memopd/reverse_kl"),
+                    m.get("actor/memopd/audit/teacher_aligned_vs_flat_kl"),
+                    round(wall, 1),
+                )
+            )
         scores = val_scores(m)
         if scores:
             rows.append(_row(arm, seed, step, "val", scores["f1"], scores["em"], wall_s=round(wall, 1)))
@@ -97,7 +132,8 @@ def _kd_rows(seed: int, run_dir: Path) -> list[Row]:
 def _heldout_rows(arm: str, seed: int, run_dir: Path, start: Path) -> list[Row]:
     """Held-out reverse KL of the arm at step 0 (the start student) and at each saved step."""
     files = ([start] if start.is_file() else []) + sorted(
-        run_dir.glob("heldout_kl_step*.json"), key=lambda f: int(f.stem.removeprefix("heldout_kl_step")))
+        run_dir.glob("heldout_kl_step*.json"), key=lambda f: int(f.stem.removeprefix("heldout_kl_step"))
+    )
     rows = []
     for path in files:
         r = json.loads(path.read_text())
@@ -137,8 +173,9 @@ def write_metrics(rows: list[Row], path: Path) -> None:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if r[k] is None else (f"{r[k]:.6g}" if isinstance(r[k], float) else r[k]))
-                        for k in COLUMNS})
+            w.writerow(
+                {k: ("" if r[k] is None else (f"{r[k]:.6g}" if isinstance(r[k], float) else r[k])) for k in COLUMNS}
+            )
 
 
 def read_metrics(path: Path) -> list[Row]:
@@ -184,22 +221,30 @@ def summary_lines(rows: list[Row], model: str = "na") -> list[str]:
         std = statistics.stdev(f1s) if len(f1s) > 1 else 0.0 if f1s else None
         walls = [r["wall_s"] for r in final.values() if r["wall_s"] is not None]
         ems = [r["em"] for r in final.values()]
-        lines.append(f"{arm:8} {len(final):>5} {max((r['step'] for r in final.values()), default=0):>5} "
-                     f"{_fmt(means[arm]):>12} {_fmt(std):>7} {_fmt(statistics.fmean(ems) if ems else None):>8} "
-                     f"{(f'{statistics.fmean(walls):.0f}' if walls else 'na'):>11}")
+        lines.append(
+            f"{arm:8} {len(final):>5} {max((r['step'] for r in final.values()), default=0):>5} "
+            f"{_fmt(means[arm]):>12} {_fmt(std):>7} {_fmt(statistics.fmean(ems) if ems else None):>8} "
+            f"{(f'{statistics.fmean(walls):.0f}' if walls else 'na'):>11}"
+        )
     t = teacher[max(teacher)]["f1"] if teacher else None
     f0 = student[max(student)]["f1"] if student else None
     lines.append(f"teacher (SFT) test F1 {_fmt(t)}; student start (SFT) test F1 {_fmt(f0)}")
-    lines.append(f"experiment model={model} seeds={len(seeds)} steps={max(steps, default=0)} teacher_f1={_fmt(t)} "
-                 f"start_f1={_fmt(f0)} memopd_f1={_fmt(means['memopd'])} flat_f1={_fmt(means['flat'])} "
-                 f"ppo_f1={_fmt(means['ppo'])} kd_f1={_fmt(means['kd'])} opd_f1={_fmt(means['opd'])}")
+    lines.append(
+        f"experiment model={model} seeds={len(seeds)} steps={max(steps, default=0)} teacher_f1={_fmt(t)} "
+        f"start_f1={_fmt(f0)} memopd_f1={_fmt(means['memopd'])} flat_f1={_fmt(means['flat'])} "
+        f"ppo_f1={_fmt(means['ppo'])} kd_f1={_fmt(means['kd'])} opd_f1={_fmt(means['opd'])}"
+    )
     return lines
 
 
 #: the arms as the markdown table names them (their Hydra overrides: :data:`ARMS`)
-ARM_LABELS = {"memopd": "MemOPD", "flat": "persistent-history teacher (`memopd.teacher.state=flat`)",
-              "ppo": "PPO alone (`memopd.distill.coef=0`)", "opd": "OPD alone (`memopd.ppo_coef=0`)",
-              "kd": "off-policy KD (verl SFT on the teacher's greedy trajectories)"}
+ARM_LABELS = {
+    "memopd": "MemOPD",
+    "flat": "persistent-history teacher (`memopd.teacher.state=flat`)",
+    "ppo": "PPO alone (`memopd.distill.coef=0`)",
+    "opd": "OPD alone (`memopd.ppo_coef=0`)",
+    "kd": "off-policy KD (verl SFT on the teacher's greedy trajectories)",
+}
 
 
 def _mean_std(xs: list[float]) -> str:
@@ -215,8 +260,10 @@ def markdown_lines(rows: list[Row]) -> list[str]:
     start_kl = [r["reverse_kl"] for r in rows if r["split"] == "heldout" and r["step"] == 0]
     steps = max((r["step"] for arm in ARMS for r in _final(rows, arm, "test").values()), default=0)
     kl_head = f"held-out KL at step {steps}" + (f" (start {start_kl[0]:.3f})" if start_kl else "")
-    lines = [f"| arm | seeds | test F1, mean ± std (each seed) | val F1 at step {steps} | {kl_head} | wall / seed |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"| arm | seeds | test F1, mean ± std (each seed) | val F1 at step {steps} | {kl_head} | wall / seed |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for arm in ARMS:
         test = _final(rows, arm, "test")
         if not test:
@@ -228,8 +275,10 @@ def markdown_lines(rows: list[Row]) -> list[str]:
         walls = [test[s]["wall_s"] for s in seeds if test[s]["wall_s"] is not None]
         per_seed = f"seeds {', '.join(map(str, seeds))}: " + " / ".join(f"{x:.3f}" for x in f1s)
         wall = f"{statistics.fmean(walls):,.0f} s" if walls else "na"
-        lines.append(f"| {ARM_LABELS.get(arm, arm)} | {len(seeds)} | {_mean_std(f1s)} ({per_seed}) | "
-                     f"{_mean_std(val)} | {_mean_std(kl)} | {wall} |")
+        lines.append(
+            f"| {ARM_LABELS.get(arm, arm)} | {len(seeds)} | {_mean_std(f1s)} ({per_seed}) | "
+            f"{_mean_std(val)} | {_mean_std(kl)} | {wall} |"
+        )
     return lines
 
 
@@ -251,8 +300,10 @@ def diagnostic_lines(results: list[dict]) -> list[str]:
     """A table of the diagnose stage's evals (``diagnose/*.json``), in the given order."""
     lines = [f"{'model (val)':16} {'F1':>7} {'EM':>7} {'answers in final memory':>24} {'memory calls truncated':>23}"]
     for r in results:
-        lines.append(f"{r['role']:16} {_fmt(r['f1']):>7} {_fmt(r['em']):>7} {_fmt(r['memory_recall']):>24} "
-                     f"{_fmt(r['memory_truncated']):>23}")
+        lines.append(
+            f"{r['role']:16} {_fmt(r['f1']):>7} {_fmt(r['em']):>7} {_fmt(r['memory_recall']):>24} "
+            f"{_fmt(r['memory_truncated']):>23}"
+        )
     return lines
 
 
@@ -292,8 +343,18 @@ def _write_call_accuracy(cfg: ExperimentConfig, paths: Paths) -> dict[str, list[
             w.writerow(CALL_COLUMNS)
             for model, scores in results.items():
                 for c in scores:
-                    w.writerow([model, c["call"], c["exact"], c["n"], f"{c['exact'] / c['n']:.6g}", c["lines"],
-                                c["lines_n"], f"{c['lines'] / c['lines_n']:.6g}"])
+                    w.writerow(
+                        [
+                            model,
+                            c["call"],
+                            c["exact"],
+                            c["n"],
+                            f"{c['exact'] / c['n']:.6g}",
+                            c["lines"],
+                            c["lines_n"],
+                            f"{c['lines'] / c['lines_n']:.6g}",
+                        ]
+                    )
     return results
 
 
@@ -314,8 +375,10 @@ def _write_handoff(paths: Paths) -> list[str]:
         w.writerow(("teacher_from_call", "val_f1"))
         for t, v in f1.items():
             w.writerow((t, f"{v:.6g}"))
-    return ["teacher takes over at call (val F1): " + " ".join(f"{t}:{_fmt(v)}" for t, v in f1.items()),
-            f"  (0 = the teacher alone, {max(map(int, f1))} = the student alone)"]
+    return [
+        "teacher takes over at call (val F1): " + " ".join(f"{t}:{_fmt(v)}" for t, v in f1.items()),
+        f"  (0 = the teacher alone, {max(map(int, f1))} = the student alone)",
+    ]
 
 
 def _experiment_meta(cfg: ExperimentConfig, paths: Paths) -> dict:
@@ -332,10 +395,17 @@ def _experiment_meta(cfg: ExperimentConfig, paths: Paths) -> dict:
                 record = json.loads(done.read_text())
                 runs[f"{arm}_seed{seed}"] = {k: v for k, v in record.items() if k != "final_actor"}
     arms = list(dict.fromkeys([*committed.get("arms", []), *cfg.arms.arms]))
-    return {"name": cfg.name, "base_model": cfg.base_model, "arms": arms,
-            "seeds": sorted({*committed.get("seeds", []), *cfg.arms.seeds}), "steps": cfg.arms.steps,
-            "episodes_per_step": cfg.arms.episodes_per_step, "lr": cfg.arms.lr,
-            "arm_overrides": list(cfg.arm_overrides), "runs": runs}
+    return {
+        "name": cfg.name,
+        "base_model": cfg.base_model,
+        "arms": arms,
+        "seeds": sorted({*committed.get("seeds", []), *cfg.arms.seeds}),
+        "steps": cfg.arms.steps,
+        "episodes_per_step": cfg.arms.episodes_per_step,
+        "lr": cfg.arms.lr,
+        "arm_overrides": list(cfg.arm_overrides),
+        "runs": runs,
+    }
 
 
 def stage_report(cfg: ExperimentConfig, paths: Paths) -> None:
@@ -346,8 +416,11 @@ def stage_report(cfg: ExperimentConfig, paths: Paths) -> None:
     write_metrics(collect_rows(cfg, paths), paths.metrics_csv)
     rows = read_metrics(paths.metrics_csv)
     handoff_json = paths.evals() / "handoff.json"
-    handoff = ({int(t): v for t, v in json.loads(handoff_json.read_text())["f1_by_switch"].items()}
-               if handoff_json.is_file() else None)
+    handoff = (
+        {int(t): v for t, v in json.loads(handoff_json.read_text())["f1_by_switch"].items()}
+        if handoff_json.is_file()
+        else None
+    )
     plot_metrics(rows, paths.plot, handoff)
     print(f"[experiment] report: {paths.metrics_csv} ({len(rows)} rows), {paths.plot}")
     sweep = collect_sweep_rows(cfg, paths)

@@ -28,15 +28,24 @@ def heavy(cmd: list[str], timeout_s: float) -> list[str]:
     """``cmd`` bounded by ``timeout_s`` once it runs, under the shared heavy-job lock when ``MEMOPD_HEAVY_LOCK``
     names a lock file (``flock LOCK timeout T cmd``: waiting for the lock does not count against the bound).
     The command first prints :data:`STARTED` and the time (see :func:`heavy_wall_s`)."""
-    bounded = ["bash", "-c", f'echo "{STARTED}$(date +%s.%N)"; exec "$@"', "heavy",
-               "timeout", "-k", "60", str(int(timeout_s)), *cmd]
+    bounded = [
+        "bash",
+        "-c",
+        f'echo "{STARTED}$(date +%s.%N)"; exec "$@"',
+        "heavy",
+        "timeout",
+        "-k",
+        "60",
+        str(int(timeout_s)),
+        *cmd,
+    ]
     lock = os.environ.get("MEMOPD_HEAVY_LOCK")
     return ["flock", lock, *bounded] if lock else bounded
 
 
 def heavy_wall_s(log: Path) -> float:
     """Seconds since the last heavy command in ``log`` started (lock wait excluded); call when it has ended."""
-    starts = [line[len(STARTED):] for line in log.read_text(errors="replace").splitlines() if line.startswith(STARTED)]
+    starts = [line[len(STARTED) :] for line in log.read_text(errors="replace").splitlines() if line.startswith(STARTED)]
     if not starts:
         raise RuntimeError(f"{log}: no '{STARTED.strip()}' line (not a heavy() command?)")
     return time.time() - float(starts[-1])
@@ -56,7 +65,7 @@ def last_attempt(log: Path) -> str:
     """The output of the last command :func:`run_logged` ran into ``log`` (its header line onwards)."""
     text = log.read_text(errors="replace")
     starts = [m.start() for m in _HEADER_LINE.finditer(text)]
-    return text[starts[-1]:] if starts else text
+    return text[starts[-1] :] if starts else text
 
 
 def run_checked(cmd: list[str], env: dict[str, str] | None = None) -> None:
@@ -83,8 +92,9 @@ def _kill_leftovers(proc: subprocess.Popen) -> None:
         pass
 
 
-def run_logged(cmd: list[str], log: Path, env: dict[str, str], timeout_s: float | None,
-               cwd: Path | None = None) -> float:
+def run_logged(
+    cmd: list[str], log: Path, env: dict[str, str], timeout_s: float | None, cwd: Path | None = None
+) -> float:
     """Run ``cmd`` with stdout+stderr appended to ``log``; return wall seconds; raise on failure/timeout.
 
     The command runs in its own session; on timeout (None: the command bounds itself, see :func:`heavy`)

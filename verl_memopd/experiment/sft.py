@@ -23,15 +23,26 @@ from verl_memopd.experiment.config import ExperimentConfig, Paths, SftConfig
 from verl_memopd.experiment.launching import parse_steps
 from verl_memopd.experiment.runner import run_logged
 
-__all__ = ["build_sft_data", "mix_traces", "sft_command", "run_sft", "fp32_export", "hf_export", "start_models", "saved_steps", "sft_losses",
-           "finished_sft", "continuable_sft"]
+__all__ = [
+    "build_sft_data",
+    "mix_traces",
+    "sft_command",
+    "run_sft",
+    "fp32_export",
+    "hf_export",
+    "start_models",
+    "saved_steps",
+    "sft_losses",
+    "finished_sft",
+    "continuable_sft",
+]
 
 #: the overrides that make verl's SFT trainer run (and run fast) on CPU
 CPU_SFT_OVERRIDES = (
     "trainer.device=cpu",
     "engine.strategy=fsdp2",
     "engine.use_torch_compile=false",
-    "+engine.mixed_precision.param_dtype=fp32",   # engine.dtype alone keeps bf16 params + autocast: ~15x slower
+    "+engine.mixed_precision.param_dtype=fp32",  # engine.dtype alone keeps bf16 params + autocast: ~15x slower
     "+model.override_config.attn_implementation=sdpa",
     "model.use_remove_padding=false",
     "model.enable_gradient_checkpointing=false",
@@ -50,8 +61,17 @@ def build_sft_data(data_dir: Path, out_dir: Path) -> None:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for split in ("val", "train"):  # train last: its file marks the stage done
-        run_checked([sys.executable, "-m", "verl_memopd.tasks", "oracle", str(data_dir / f"{split}.parquet"),
-                     "--traces", str(out_dir / f"{split}.parquet")])
+        run_checked(
+            [
+                sys.executable,
+                "-m",
+                "verl_memopd.tasks",
+                "oracle",
+                str(data_dir / f"{split}.parquet"),
+                "--traces",
+                str(out_dir / f"{split}.parquet"),
+            ]
+        )
 
 
 def mix_traces(sources: list[Path], names: list[str], out_dir: Path) -> None:
@@ -76,17 +96,29 @@ def mix_traces(sources: list[Path], names: list[str], out_dir: Path) -> None:
 def sft_command(model: Path, sft_data: Path, run_dir: Path, cfg: SftConfig, name: str) -> list[str]:
     """The torchrun command line of one SFT run (1 process on the cpu platform)."""
     return [
-        "torchrun", "--standalone", "--nnodes=1", "--nproc_per_node=1", "-m", "verl.trainer.sft_trainer",
+        "torchrun",
+        "--standalone",
+        "--nnodes=1",
+        "--nproc_per_node=1",
+        "-m",
+        "verl.trainer.sft_trainer",
         f"model.path={model}",
-        f"data.train_files={sft_data / 'train.parquet'}", f"data.val_files={sft_data / 'val.parquet'}",
-        "data.messages_key=messages", f"data.train_batch_size={cfg.batch}",
+        f"data.train_files={sft_data / 'train.parquet'}",
+        f"data.val_files={sft_data / 'val.parquet'}",
+        "data.messages_key=messages",
+        f"data.train_batch_size={cfg.batch}",
         f"data.micro_batch_size_per_gpu={cfg.batch}",
-        f"optim.lr={cfg.lr}", "optim.lr_scheduler_type=cosine", f"optim.lr_warmup_steps={cfg.warmup_steps}",
+        f"optim.lr={cfg.lr}",
+        "optim.lr_scheduler_type=cosine",
+        f"optim.lr_warmup_steps={cfg.warmup_steps}",
         f"optim.min_lr_ratio={cfg.min_lr_ratio}",
-        f"trainer.total_training_steps={cfg.steps}", "trainer.total_epochs=1000",
-        f"trainer.save_freq={cfg.save_every}", f"trainer.test_freq={cfg.save_every}",
+        f"trainer.total_training_steps={cfg.steps}",
+        "trainer.total_epochs=1000",
+        f"trainer.save_freq={cfg.save_every}",
+        f"trainer.test_freq={cfg.save_every}",
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
-        "trainer.project_name=memopd_experiment", f"trainer.experiment_name={name}",
+        "trainer.project_name=memopd_experiment",
+        f"trainer.experiment_name={name}",
         *CPU_SFT_OVERRIDES,
     ]
 
@@ -99,8 +131,9 @@ def fp32_export(hf: Path) -> Path:
     """
     config_path = hf / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path}: no Hugging Face export there (checkpoint save_contents must "
-                                "include hf_model)")
+        raise FileNotFoundError(
+            f"{config_path}: no Hugging Face export there (checkpoint save_contents must include hf_model)"
+        )
     config = json.loads(config_path.read_text())
     if config.get("dtype") != "float32" or config.get("torch_dtype", "float32") != "float32":
         config["dtype"] = "float32"
@@ -137,8 +170,9 @@ def run_sft(model: Path, sft_data: Path, run_dir: Path, cfg: SftConfig, name: st
     earlier = continuable_sft(run_dir, cfg, name)
     wall = run_logged(sft_command(model, sft_data, run_dir, cfg, name), run_dir / "sft.log", env, None)
     if cfg.steps not in saved_steps(run_dir):
-        raise RuntimeError(f"{name}: verl's SFT trainer ended without a checkpoint at step {cfg.steps}; "
-                           f"see {run_dir / 'sft.log'}")
+        raise RuntimeError(
+            f"{name}: verl's SFT trainer ended without a checkpoint at step {cfg.steps}; see {run_dir / 'sft.log'}"
+        )
     hf = hf_export(run_dir, cfg.steps)
     losses = sft_losses((run_dir / "sft.log").read_text(errors="replace"))
     done = {"steps": cfg.steps, "hf": str(hf), "wall_s": wall + (earlier or {}).get("wall_s", 0.0), "losses": losses}
@@ -160,8 +194,10 @@ def continuable_sft(run_dir: Path, cfg: SftConfig, name: str) -> dict | None:
     schedule, not the run ``cfg`` describes."""
     earlier = finished_sft(run_dir)
     if earlier is not None and earlier["steps"] > cfg.steps:
-        raise ValueError(f"{name}: {run_dir} finished {earlier['steps']} steps, more than the {cfg.steps} asked "
-                         "for; a shorter run is a new run folder")
+        raise ValueError(
+            f"{name}: {run_dir} finished {earlier['steps']} steps, more than the {cfg.steps} asked "
+            "for; a shorter run is a new run folder"
+        )
     return earlier
 
 

@@ -78,9 +78,14 @@ from verl_memopd.losses.chunked import Chunking, DivergenceResult, StudentLogits
 from verl_memopd.losses.divergences import get_divergence
 from verl_memopd.supervision import get_transport
 
-__all__ = ["OPDLossConfig", "LossInputError", "assign_global_teacher_counts", "opd_loss", "memopd_actor_loss",
-           "term_grad_norms"]
-
+__all__ = [
+    "OPDLossConfig",
+    "LossInputError",
+    "assign_global_teacher_counts",
+    "opd_loss",
+    "memopd_actor_loss",
+    "term_grad_norms",
+]
 
 
 class LossInputError(ValueError):
@@ -156,11 +161,17 @@ def assign_global_teacher_counts(data: TensorDict, dp_group=None) -> None:
     ``batch_num_tokens``); with ``dp_group`` the counts are summed over the data-parallel ranks.
     """
     mask = _values(data, TEACHER_MASK, "assign_global_teacher_counts").values().bool()
-    calls = _values(data, CALL_INDEX, "assign_global_teacher_counts").values()[mask].long() if CALL_INDEX in data.keys() else None
+    calls = (
+        _values(data, CALL_INDEX, "assign_global_teacher_counts").values()[mask].long()
+        if CALL_INDEX in data.keys()
+        else None
+    )
     num_calls = torch.tensor([0 if calls is None or calls.numel() == 0 else int(calls.max()) + 1], device=mask.device)
     if dp_group is not None:
         dist.all_reduce(num_calls, op=dist.ReduceOp.MAX, group=dp_group)
-    per_call = torch.bincount(calls, minlength=int(num_calls)) if calls is not None else mask.new_zeros(0, dtype=torch.long)
+    per_call = (
+        torch.bincount(calls, minlength=int(num_calls)) if calls is not None else mask.new_zeros(0, dtype=torch.long)
+    )
     counts = torch.cat([mask.sum().view(1), per_call])
     if dp_group is not None:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=dp_group)
@@ -188,7 +199,9 @@ def _teacher_positions(data: TensorDict) -> _Positions:
     resp_lens = _values(data, "responses", where).offsets().diff()
     for key, t in ((TEACHER_MASK, teacher), ("response_mask", action)):
         if not torch.equal(t.offsets().diff(), resp_lens):
-            raise LossInputError(f"{where}: {key} row lengths {t.offsets().diff().tolist()} != responses {resp_lens.tolist()}")
+            raise LossInputError(
+                f"{where}: {key} row lengths {t.offsets().diff().tolist()} != responses {resp_lens.tolist()}"
+            )
     m_t, m_act = teacher.values().bool(), action.values().bool()
     row = torch.repeat_interleave(torch.arange(len(resp_lens), device=m_t.device), resp_lens)
     if (m_t & ~m_act).any():
@@ -208,7 +221,9 @@ def _student(model_output: dict, pos: _Positions, total_tokens: int, vocab_size:
         t = model_output[key]
         flat = t.values() if t.is_nested else t
         if flat.shape[0] != total_tokens:
-            raise LossInputError(f"model_output[{key!r}] has {flat.shape[0]} token rows; prompts + responses have {total_tokens}")
+            raise LossInputError(
+                f"model_output[{key!r}] has {flat.shape[0]} token rows; prompts + responses have {total_tokens}"
+            )
         return flat.index_select(0, pos.seq_index)
 
     if STUDENT_HIDDEN in model_output and STUDENT_HEAD in model_output:
@@ -232,7 +247,9 @@ def _temperature(data: TensorDict, pos: _Positions) -> torch.Tensor:
 def opd_loss(opd_config: OPDLossConfig, model_output: dict, data: TensorDict) -> tuple[torch.Tensor, dict]:
     """L_OPD for one micro-batch, normalised over the global teacher-token count -> (loss, metrics)."""
     pos = _teacher_positions(data)
-    total = int(_values(data, "prompts", "memopd loss").offsets()[-1] + _values(data, "responses", "memopd loss").offsets()[-1])
+    total = int(
+        _values(data, "prompts", "memopd loss").offsets()[-1] + _values(data, "responses", "memopd loss").offsets()[-1]
+    )
     transport = get_transport(opd_config.transport)
     payload = {}
     for key in transport.payload_keys:
@@ -247,14 +264,24 @@ def opd_loss(opd_config: OPDLossConfig, model_output: dict, data: TensorDict) ->
     global_count = int(_non_tensor(data, TEACHER_NUM_TOKENS, "assign_global_teacher_counts"))
     dp_size = int(_non_tensor(data, "dp_size", "verl's engine"))
     if global_count < 1:
-        raise LossInputError(f"empty teacher mask: {TEACHER_NUM_TOKENS} = 0 over the mini-batch, but opd coef = {opd_config.coef}")
+        raise LossInputError(
+            f"empty teacher mask: {TEACHER_NUM_TOKENS} = 0 over the mini-batch, but opd coef = {opd_config.coef}"
+        )
     if len(pos.row) > global_count:
-        raise LossInputError(f"{len(pos.row)} teacher tokens in this micro-batch > {TEACHER_NUM_TOKENS} = {global_count}")
+        raise LossInputError(
+            f"{len(pos.row)} teacher tokens in this micro-batch > {TEACHER_NUM_TOKENS} = {global_count}"
+        )
     student = _student(model_output, pos, total, opd_config.vocab_size)
     weight = dp_size / global_count
     result = divergence_loss(
-        opd_config.make_divergence(), student, target, torch.full(pos.row.shape, weight, device=pos.row.device),
-        _temperature(data, pos), opd_config.chunking, opd_config.token_clamp, opd_config.top_tokens,
+        opd_config.make_divergence(),
+        student,
+        target,
+        torch.full(pos.row.shape, weight, device=pos.row.device),
+        _temperature(data, pos),
+        opd_config.chunking,
+        opd_config.token_clamp,
+        opd_config.top_tokens,
     )
     return result.loss, _metrics(opd_config, result, pos, data, weight, dp_size)
 
@@ -300,14 +327,23 @@ def term_grad_norms(policy_loss: torch.Tensor, distill: torch.Tensor, logits: to
     (mean over micro-batches)."""
     norms = {}
     for name, term in (("ppo", policy_loss), ("opd", distill)):
-        grad = torch.autograd.grad(term, logits, retain_graph=True, allow_unused=True)[0] if term.requires_grad else None
+        grad = (
+            torch.autograd.grad(term, logits, retain_graph=True, allow_unused=True)[0] if term.requires_grad else None
+        )
         value = torch.zeros((), device=logits.device) if grad is None else grad.float().norm()
         norms[f"memopd/grad_norm_logits/{name}"] = Metric(AggregationType.MEAN, value.detach())
     return norms
 
 
-def memopd_actor_loss(config, opd_config: OPDLossConfig, model_output: dict, data: TensorDict, dp_group=None,
-                      ppo_coef: float = 1.0, grad_norms: bool = False):
+def memopd_actor_loss(
+    config,
+    opd_config: OPDLossConfig,
+    model_output: dict,
+    data: TensorDict,
+    dp_group=None,
+    ppo_coef: float = 1.0,
+    grad_norms: bool = False,
+):
     """verl actor-loss hook: ``c_PPO * (L_PPO(m_act) - alpha*H) + lambda*L_OPD(m_T)`` -> (loss, metrics).
 
     ``config`` is verl's ActorConfig (policy loss, clip ratios, ``entropy_coeff`` = alpha, loss

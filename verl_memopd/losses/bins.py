@@ -32,8 +32,8 @@ from verl_memopd.losses.chunked import (
     logits_block,
     lse_parts,
     merge_lse,
-    top_mass,
     register_target_kernel,
+    top_mass,
 )
 from verl_memopd.losses.divergences import Divergence, get_divergence
 from verl_memopd.supervision import TopKTarget

@@ -159,7 +159,9 @@ class Plan:
 
 
 # --- block helpers (shared with verl_memopd.losses.bins) ------------------------------------------
-def logits_block(x: torch.Tensor, w: Optional[torch.Tensor], rows: slice, cols: slice, inv_t: torch.Tensor) -> torch.Tensor:
+def logits_block(
+    x: torch.Tensor, w: Optional[torch.Tensor], rows: slice, cols: slice, inv_t: torch.Tensor
+) -> torch.Tensor:
     """(n, c) fp32 logits / T of rows x cols: x[rows] @ w[cols].T (inputs' dtype) or x[rows, cols]; a new tensor."""
     z = x[rows, cols].to(torch.float32, copy=True) if w is None else (x[rows] @ w[cols].T).float()
     return z.mul_(inv_t)
@@ -280,8 +282,16 @@ class _FullVocabDivergence(torch.autograd.Function):
         unit_temp = fused and bool((inv_temp == 1).all())
         for rows in plan.chunking.token_ranges(s_x.shape[0]):
             if fused:
-                loss += _fused_rows(plan, rows, (s_x, s_w, t_h, t_w), None if unit_temp else inv_temp[rows],
-                                    weights[rows].float(), stats[rows], grad_x, grad_w)
+                loss += _fused_rows(
+                    plan,
+                    rows,
+                    (s_x, s_w, t_h, t_w),
+                    None if unit_temp else inv_temp[rows],
+                    weights[rows].float(),
+                    stats[rows],
+                    grad_x,
+                    grad_w,
+                )
                 continue
             blocks = _Blocks(plan, rows, (s_x, s_w, t_h, t_w), inv_temp[rows, None])
             loss += _full_vocab_chunk(plan, blocks, weights[rows].float(), stats[rows], grad_x, grad_w)
@@ -303,7 +313,9 @@ class _FullVocabDivergence(torch.autograd.Function):
         return None, None, *grads, None, None, None
 
 
-def _full_vocab_chunk(plan: Plan, blocks: _Blocks, w: torch.Tensor, stats: torch.Tensor, grad_x, grad_w) -> torch.Tensor:
+def _full_vocab_chunk(
+    plan: Plan, blocks: _Blocks, w: torch.Tensor, stats: torch.Tensor, grad_x, grad_w
+) -> torch.Tensor:
     """Passes 2 and 3 for one token chunk: fills stats (n, 5) and the gradients; returns its loss."""
     n = w.shape[0]
     div, gsum, rkl, fkl = (w.new_zeros(n) for _ in range(4))
@@ -322,7 +334,7 @@ def _full_vocab_chunk(plan: Plan, blocks: _Blocks, w: torch.Tensor, stats: torch
     w_grad = w if plan.clamp is None else w * (div <= plan.clamp)
     chunk_loss = (w * (div if plan.clamp is None else div.clamp(max=plan.clamp))).sum()
     if grad_x is not None:
-        scale = (w_grad[:, None] * blocks.inv_t)  # (n, 1)
+        scale = w_grad[:, None] * blocks.inv_t  # (n, 1)
         for cols in blocks.ranges:
             a, b, p, q = blocks(cols)
             g = kept_g if kept_g is not None else plan.divergence.pointwise(a, b, p, q, with_grad=True)[1]
@@ -345,8 +357,16 @@ def _fp32_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 _MM_OUT_DTYPE = [True]  # whether this torch's mm takes out_dtype (found out on first use)
 
 
-def _fused_rows(plan: Plan, rows: slice, tensors: tuple, inv_t: Optional[torch.Tensor], w: torch.Tensor,
-                stats: torch.Tensor, grad_x, grad_w) -> torch.Tensor:
+def _fused_rows(
+    plan: Plan,
+    rows: slice,
+    tensors: tuple,
+    inv_t: Optional[torch.Tensor],
+    w: torch.Tensor,
+    stats: torch.Tensor,
+    grad_x,
+    grad_w,
+) -> torch.Tensor:
     """One token chunk of a linear student head over the whole vocabulary, in few (n, V) passes.
 
     The teacher's logits (inputs' dtype) give the top tokens and go through ``log_softmax(...,
@@ -390,7 +410,9 @@ def _fused_rows(plan: Plan, rows: slice, tensors: tuple, inv_t: Optional[torch.T
 
 def _hidden_kernel(plan: Plan, student: StudentLogits, target: HiddenTarget, weights, inv_temp) -> DivergenceResult:
     s_x, s_w = student.tensors
-    loss, stats = _FullVocabDivergence.apply(plan, weights.detach(), s_x, s_w, target.hidden, target.head_weight, inv_temp)
+    loss, stats = _FullVocabDivergence.apply(
+        plan, weights.detach(), s_x, s_w, target.hidden, target.head_weight, inv_temp
+    )
     return DivergenceResult(loss, *stats.unbind(-1))
 
 
@@ -441,7 +463,9 @@ def divergence_loss(
             f"{tuple(weights.shape)}, temperature {tuple(temperature.shape)}; all must be A = {a}"
         )
     if target.vocab_size != student.vocab_size:
-        raise ValueError(f"divergence_loss: target vocab_size {target.vocab_size} != student vocab_size {student.vocab_size}")
+        raise ValueError(
+            f"divergence_loss: target vocab_size {target.vocab_size} != student vocab_size {student.vocab_size}"
+        )
     if a and not bool((temperature > 0).all()):
         raise ValueError("divergence_loss: temperature must be > 0 at every position")
     if clamp is not None and not clamp > 0:

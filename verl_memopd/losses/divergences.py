@@ -133,12 +133,12 @@ class ReverseKL(Divergence):
 
     def row_terms(self, a, b, grad_dtype=torch.float32):
         q = b.exp()
-        d = torch.sub(a, b, out=b)                      # b's storage: d = a - b
-        fkl = q.mul_(d).sum(-1).neg_()                  # sum_j q_j (b_j - a_j)
+        d = torch.sub(a, b, out=b)  # b's storage: d = a - b
+        fkl = q.mul_(d).sum(-1).neg_()  # sum_j q_j (b_j - a_j)
         del q
         p = a.exp()
-        pd = torch.mul(p, d, out=a)                     # a's storage: p d
-        value = pd.sum(-1)                              # D = sum_j p_j d_j
+        pd = torch.mul(p, d, out=a)  # a's storage: p d
+        value = pd.sum(-1)  # D = sum_j p_j d_j
         grad = torch.addcmul(pd, p, value[:, None], value=-1.0, out=_grad_buffer(pd, grad_dtype))  # p d - p D
         return RowTerms(value, grad, value, fkl)
 
@@ -156,8 +156,8 @@ class ForwardKL(Divergence):
 
     def row_terms(self, a, b, grad_dtype=torch.float32):
         p, q = a.exp(), b.exp()
-        d = torch.sub(b, a, out=b)                      # b's storage: d = b - a
-        value = _row_sum_of_product(q, d, a)            # D = sum_j q_j d_j
+        d = torch.sub(b, a, out=b)  # b's storage: d = b - a
+        value = _row_sum_of_product(q, d, a)  # D = sum_j q_j d_j
         rkl = _row_sum_of_product(p, d, a).neg_()
         return RowTerms(value, torch.sub(p, q, out=_grad_buffer(a, grad_dtype)), rkl, value)
 

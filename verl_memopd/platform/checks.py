@@ -33,8 +33,10 @@ def _check_model_path(cfg: DictConfig, key: str) -> list[str]:
     if path is None:
         return []
     if not (Path(str(path)).expanduser() / "config.json").is_file():
-        return [f"{key}={path}: no model there (no config.json); this machine has no model hub -- build one with "
-                f"`python -m verl_memopd.bench.tiny --out DIR` and pass DIR/student (or DIR/teacher)"]
+        return [
+            f"{key}={path}: no model there (no config.json); this machine has no model hub -- build one with "
+            f"`python -m verl_memopd.bench.tiny --out DIR` and pass DIR/student (or DIR/teacher)"
+        ]
     return []
 
 
@@ -48,8 +50,10 @@ def check_cpu_config(cfg: DictConfig) -> None:
         problems += _check_model_path(cfg, "critic.model.path")
     attn = _get(cfg, "actor_rollout_ref.model.override_config.attn_implementation")
     if attn is not None and "flash" in str(attn):
-        problems.append(f"actor_rollout_ref.model.override_config.attn_implementation={attn} needs CUDA; use sdpa "
-                        f"(or a memopd_* packed attention)")
+        problems.append(
+            f"actor_rollout_ref.model.override_config.attn_implementation={attn} needs CUDA; use sdpa "
+            f"(or a memopd_* packed attention)"
+        )
     for role in ("actor", "ref"):
         for key in (f"actor_rollout_ref.{role}.strategy", f"actor_rollout_ref.{role}.fsdp_config.strategy"):
             if _get(cfg, key) not in (None, "fsdp2"):
@@ -61,10 +65,12 @@ def check_cpu_config(cfg: DictConfig) -> None:
     num_cpus = _get(cfg, "ray_kwargs.ray_init.num_cpus")
     need = FIXED_CPU_ACTORS + units
     if num_cpus is not None and int(num_cpus) < need:
-        problems.append(f"ray_kwargs.ray_init.num_cpus={num_cpus}: TransferQueue's controller, its {units} storage "
-                        f"unit(s) and verl's TaskRunner each reserve a logical CPU, so Ray would wait forever; "
-                        f"set ray_kwargs.ray_init.num_cpus>={need} (logical CPUs, not cores) or fewer "
-                        f"transfer_queue.backend.SimpleStorage.num_data_storage_units")
+        problems.append(
+            f"ray_kwargs.ray_init.num_cpus={num_cpus}: TransferQueue's controller, its {units} storage "
+            f"unit(s) and verl's TaskRunner each reserve a logical CPU, so Ray would wait forever; "
+            f"set ray_kwargs.ray_init.num_cpus>={need} (logical CPUs, not cores) or fewer "
+            f"transfer_queue.backend.SimpleStorage.num_data_storage_units"
+        )
     if problems:
         raise CpuProfileError("verl config cannot run on the cpu platform:\n  - " + "\n  - ".join(problems))
 

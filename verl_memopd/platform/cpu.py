@@ -48,8 +48,9 @@ class _CpuDeviceModule:
 
     @staticmethod
     def get_device_properties(device=None):
-        import psutil
         from types import SimpleNamespace
+
+        import psutil
 
         return SimpleNamespace(name="CPU", total_memory=psutil.virtual_memory().total)
 

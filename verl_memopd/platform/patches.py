@@ -155,8 +155,11 @@ def patch_verl_gloo_torchrun_process_group() -> bool:
 
         import torch.distributed
 
-        torch.distributed.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout_second),
-                                             init_method=os.environ.get("DIST_INIT_METHOD", None))
+        torch.distributed.init_process_group(
+            backend="gloo",
+            timeout=timedelta(seconds=timeout_second),
+            init_method=os.environ.get("DIST_INIT_METHOD", None),
+        )
         return int(os.environ["LOCAL_RANK"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
     initialize_global_process_group._memopd_gloo = True
@@ -216,8 +219,12 @@ def patch_verl_valuehead_attention() -> bool:
         if not attn or attn == "flash_attention_2":
             return original(local_path, torch_dtype, model_config, trust_remote_code)
         return AutoModelForTokenClassification.from_pretrained(
-            pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
-            attn_implementation=attn, trust_remote_code=trust_remote_code)
+            pretrained_model_name_or_path=local_path,
+            torch_dtype=torch_dtype,
+            config=model_config,
+            attn_implementation=attn,
+            trust_remote_code=trust_remote_code,
+        )
 
     load_valuehead_model._memopd_attn = True
     model_utils.load_valuehead_model = load_valuehead_model

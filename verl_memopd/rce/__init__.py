@@ -88,10 +88,26 @@ from verl_memopd.packing import BatchLayout, PackedRow, build_layout, pack_episo
 from verl_memopd.records import Episode, Invocation
 from verl_memopd.segments import SegmentMeta, segment_meta
 
-__all__ = ["Tolerance", "TOLERANCES", "EpisodeShape", "random_episodes", "RceReport", "reference_logits",
-           "rce_audit", "ROW_FAULTS", "BACKEND_FAULTS", "faulty_packer", "reversed_block_packer", "SpotBatch",
-           "packed_spot_batch", "spot_check_rows",
-           "SelfTest", "self_test", "SELF_TEST_QK_SCALE", "sharpen_attention"]
+__all__ = [
+    "Tolerance",
+    "TOLERANCES",
+    "EpisodeShape",
+    "random_episodes",
+    "RceReport",
+    "reference_logits",
+    "rce_audit",
+    "ROW_FAULTS",
+    "BACKEND_FAULTS",
+    "faulty_packer",
+    "reversed_block_packer",
+    "SpotBatch",
+    "packed_spot_batch",
+    "spot_check_rows",
+    "SelfTest",
+    "self_test",
+    "SELF_TEST_QK_SCALE",
+    "sharpen_attention",
+]
 
 #: ``build_layout``'s signature: the packer under audit (``rce_audit(pack=...)``).
 Packer = Callable[[str, Sequence[Episode], Optional[int]], BatchLayout]
@@ -132,14 +148,19 @@ def random_episodes(n: int, vocab_size: int, seed: int, shape: EpisodeShape = Ep
             action = [True] * len(response)
             if len(response) > 1 and rng.random() < 0.25:
                 action[-1] = False
-            calls.append(Invocation(
-                prompt_ids=tuple(q + memory + ids(shape.chunk_len)), response_ids=tuple(response),
-                response_logprobs=tuple(-rng.random() * 5 for _ in response), action_mask=tuple(action),
-                memory_span=(start, end), finish_reason=rng.choice(("stop", "stop", "stop", "length"))))
+            calls.append(
+                Invocation(
+                    prompt_ids=tuple(q + memory + ids(shape.chunk_len)),
+                    response_ids=tuple(response),
+                    response_logprobs=tuple(-rng.random() * 5 for _ in response),
+                    action_mask=tuple(action),
+                    memory_span=(start, end),
+                    finish_reason=rng.choice(("stop", "stop", "stop", "length")),
+                )
+            )
             memory = response[start:end]
         episodes.append(Episode(f"rce-{seed}-{e}", f"uid-{e}", tuple(q), tuple(calls)))
     return episodes
-
 
 
 @dataclass(frozen=True)
@@ -164,13 +185,16 @@ class RceReport:
         return self.calls.passed
 
     def line(self) -> str:
-        return (f"RCE episodes={self.episodes} max_abs_diff={self.max_abs_diff:.3e} "
-                f"flat_max_abs_diff={self.flat_max_abs_diff:.3e}")
+        return (
+            f"RCE episodes={self.episodes} max_abs_diff={self.max_abs_diff:.3e} "
+            f"flat_max_abs_diff={self.flat_max_abs_diff:.3e}"
+        )
 
 
 @torch.no_grad()
-def reference_logits(model: torch.nn.Module, episodes: Sequence[Episode], attention: str = "sdpa",
-                     batch_calls: int = 64) -> torch.Tensor:
+def reference_logits(
+    model: torch.nn.Module, episodes: Sequence[Episode], attention: str = "sdpa", batch_calls: int = 64
+) -> torch.Tensor:
     """Independent per-call logits at every action token, from the invocation records alone.
 
     Each call is its own sequence ``prompt_ids + response_ids`` with positions 0..n-1, run right-padded
@@ -178,18 +202,24 @@ def reference_logits(model: torch.nn.Module, episodes: Sequence[Episode], attent
     token); response token k is predicted at position ``len(prompt_ids) + k - 1``. Returns (A, V) in
     ``(episode, call, k)`` order -- the order of every layout's ``action_origin``.
     """
-    seqs = [(list(inv.prompt_ids) + list(inv.response_ids),
-             [len(inv.prompt_ids) + k - 1 for k, m in enumerate(inv.action_mask) if m])
-            for ep in episodes for inv in ep.invocations]
+    seqs = [
+        (
+            list(inv.prompt_ids) + list(inv.response_ids),
+            [len(inv.prompt_ids) + k - 1 for k, m in enumerate(inv.action_mask) if m],
+        )
+        for ep in episodes
+        for inv in ep.invocations
+    ]
     device = model.get_input_embeddings().weight.device
     out = []
     with attention_implementation(model, attention):
         for i in range(0, len(seqs), batch_calls):
-            batch = seqs[i:i + batch_calls]
+            batch = seqs[i : i + batch_calls]
             width = max(len(ids) for ids, _ in batch)
             ids = torch.tensor([x + [x[0]] * (width - len(x)) for x, _ in batch], device=device)  # (S, L)
-            hidden = model.base_model(input_ids=ids, position_ids=torch.arange(width, device=device).expand_as(ids),
-                                      use_cache=False).last_hidden_state  # (S, L, H)
+            hidden = model.base_model(
+                input_ids=ids, position_ids=torch.arange(width, device=device).expand_as(ids), use_cache=False
+            ).last_hidden_state  # (S, L, H)
             index = torch.tensor([s * width + j for s, (_, js) in enumerate(batch) for j in js], device=device)
             out.append(model.get_output_embeddings()(hidden.reshape(-1, hidden.shape[-1])[index]))
     return torch.cat(out)
@@ -217,8 +247,14 @@ def _record_calls(episodes: Sequence[Episode]) -> tuple[torch.Tensor, int, torch
 
 
 @torch.no_grad()
-def rce_audit(model: torch.nn.Module, episodes: Sequence[Episode], backend: str = "torch",
-              batch_episodes: int = 25, reference_attention: str = "sdpa", pack: Packer = build_layout) -> RceReport:
+def rce_audit(
+    model: torch.nn.Module,
+    episodes: Sequence[Episode],
+    backend: str = "torch",
+    batch_episodes: int = 25,
+    reference_attention: str = "sdpa",
+    pack: Packer = build_layout,
+) -> RceReport:
     """Compare ``packed`` (memopd ``backend``) and ``flat`` with the independent per-call reference.
 
     Episodes go ``batch_episodes`` at a time; ``pack`` builds the packed and flat layouts (the packer
@@ -237,7 +273,7 @@ def rce_audit(model: torch.nn.Module, episodes: Sequence[Episode], backend: str 
     tokens = 0
     stats, bounds = [], []
     for i in range(0, len(episodes), batch_episodes):
-        batch = episodes[i:i + batch_episodes]
+        batch = episodes[i : i + batch_episodes]
         call, n_calls, action_ids = _record_calls(batch)
         alone = reference_logits(model, batch, reference_attention)
         ref = None
@@ -254,8 +290,9 @@ def rce_audit(model: torch.nn.Module, episodes: Sequence[Episode], backend: str 
         tokens += alone.shape[0]
         if packed.shape != alone.shape:  # the packer lost or added action tokens: every call of the batch fails
             diff = float("inf")
-            s, b = per_call_stats(token_stats(alone, alone, ref).cpu(), call, n_calls, dtype,
-                                  torch.ones(n_calls, dtype=torch.bool))
+            s, b = per_call_stats(
+                token_stats(alone, alone, ref).cpu(), call, n_calls, dtype, torch.ones(n_calls, dtype=torch.bool)
+            )
         else:  # a call whose action token ids differ from its record fails
             wrong = layout.action_ids.cpu() != action_ids
             bad = torch.zeros(n_calls, dtype=torch.bool).index_put_((call[wrong],), torch.tensor(True))
@@ -264,8 +301,18 @@ def rce_audit(model: torch.nn.Module, episodes: Sequence[Episode], backend: str 
         stats.append(s)
         bounds.append(b)
     summary = summarize(stats, bounds)
-    return RceReport(len(episodes), tokens, diff, flat_diff, summary.worst_bound, str(dtype).replace("torch.", ""),
-                     backend, summary, rule_name(dtype), ref_max)
+    return RceReport(
+        len(episodes),
+        tokens,
+        diff,
+        flat_diff,
+        summary.worst_bound,
+        str(dtype).replace("torch.", ""),
+        backend,
+        summary,
+        rule_name(dtype),
+        ref_max,
+    )
 
 
 def _sup_diff(logits: torch.Tensor, ref: torch.Tensor) -> float:
@@ -282,15 +329,17 @@ def _row_ids(row: PackedRow) -> list[int]:
 
 def _shift_later_positions(row: PackedRow) -> PackedRow:
     """Calls >= 2 (segment >= 2) one position further on."""
-    return dataclasses.replace(row, position_ids=tuple(p + int(s >= 2) for p, s in zip(row.position_ids,
-                                                                                        row.segment_ids)))
+    return dataclasses.replace(
+        row, position_ids=tuple(p + int(s >= 2) for p, s in zip(row.position_ids, row.segment_ids))
+    )
 
 
 def _restart_at_zero(row: PackedRow) -> PackedRow:
     """Every call block at positions 0.. instead of continuing from len(q)."""
     p = len(row.prompt_ids)
-    return dataclasses.replace(row, position_ids=tuple(x - p if s >= 1 else x for x, s in zip(row.position_ids,
-                                                                                               row.segment_ids)))
+    return dataclasses.replace(
+        row, position_ids=tuple(x - p if s >= 1 else x for x, s in zip(row.position_ids, row.segment_ids))
+    )
 
 
 def _boundary_off_by_one(row: PackedRow) -> PackedRow:
@@ -318,7 +367,7 @@ def _reversed_block(row: PackedRow) -> PackedRow:
         if block != block[::-1]:
             for j, x in zip(idx, reversed(block)):
                 ids[j] = x
-            return dataclasses.replace(row, response_ids=tuple(ids[len(row.prompt_ids):]))
+            return dataclasses.replace(row, response_ids=tuple(ids[len(row.prompt_ids) :]))
     return row
 
 
@@ -343,12 +392,14 @@ def _stream(rows: Sequence[PackedRow]) -> tuple[torch.Tensor, torch.Tensor, Segm
 
 def faulty_packer(fault: Callable[[PackedRow], PackedRow]) -> Packer:
     """``build_layout`` with ``fault`` applied to every ``packed`` row (other layouts as built)."""
+
     def pack(name: str, episodes: Sequence[Episode], vocab_size: Optional[int] = None) -> BatchLayout:
         layout = build_layout(name, episodes, vocab_size)
         if name != "packed":
             return layout
         ids, pos, meta = _stream([fault(pack_episode(ep)) for ep in episodes])
         return dataclasses.replace(layout, input_ids=ids, position_ids=pos, segments=meta)
+
     return pack
 
 
@@ -356,21 +407,24 @@ def faulty_packer(fault: Callable[[PackedRow], PackedRow]) -> Packer:
 reversed_block_packer = faulty_packer(_reversed_block)
 
 
-def _scale_fault(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SegmentMeta, scale: float,
-                 dropout: float) -> torch.Tensor:
+def _scale_fault(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SegmentMeta, scale: float, dropout: float
+) -> torch.Tensor:
     """The ``torch`` backend with softmax scale x1.5."""
     return BACKENDS["torch"](q, k, v, meta, 1.5 * scale, dropout)
 
 
-def _gqa_fault(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SegmentMeta, scale: float,
-               dropout: float) -> torch.Tensor:
+def _gqa_fault(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SegmentMeta, scale: float, dropout: float
+) -> torch.Tensor:
     """The ``torch`` backend with the key/value heads rotated by one: each query head group reads another
     group's keys and values (a GQA head-mapping bug)."""
     return BACKENDS["torch"](q, k.roll(1, dims=1), v.roll(1, dims=1), meta, scale, dropout)
 
 
-def _predecessor_fault(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SegmentMeta, scale: float,
-                       dropout: float) -> torch.Tensor:
+def _predecessor_fault(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SegmentMeta, scale: float, dropout: float
+) -> torch.Tensor:
     """The ``torch`` backend where every call block after the first of its row also sees the previous
     call block: keys ``[q ; B_{t-1} ; B_t]`` instead of ``[q ; B_t]``."""
     bounds, ks, vs, kis, cu = meta.bounds, [], [], [], [0]
@@ -379,18 +433,25 @@ def _predecessor_fault(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
         kk, vv, ki = k[ka:kb], v[ka:kb], meta.key_index[ka:kb]
         if s > 0 and lp > 0:
             pqa, pqb, pka, pkb = bounds[s - 1]
-            if (pkb - pka) - (pqb - pqa) == lp and torch.equal(meta.key_index[pka:pka + lp], ki[:lp]):
+            if (pkb - pka) - (pqb - pqa) == lp and torch.equal(meta.key_index[pka : pka + lp], ki[:lp]):
                 own = slice(pkb - (pqb - pqa), pkb)
-                kk, vv = torch.cat([k[ka:ka + lp], k[own], k[ka + lp:kb]]), torch.cat([v[ka:ka + lp], v[own],
-                                                                                      v[ka + lp:kb]])
+                kk, vv = (
+                    torch.cat([k[ka : ka + lp], k[own], k[ka + lp : kb]]),
+                    torch.cat([v[ka : ka + lp], v[own], v[ka + lp : kb]]),
+                )
                 ki = torch.cat([ki[:lp], meta.key_index[own], ki[lp:]])
         ks.append(kk)
         vs.append(vv)
         kis.append(ki)
         cu.append(cu[-1] + kk.shape[0])
     lk = torch.tensor(cu).diff()
-    wide = SegmentMeta(meta.cu_seqlens_q, torch.tensor(cu, dtype=torch.int32, device=meta.cu_seqlens_q.device),
-                       torch.cat(kis), meta.max_seqlen_q, int(lk.max()))
+    wide = SegmentMeta(
+        meta.cu_seqlens_q,
+        torch.tensor(cu, dtype=torch.int32, device=meta.cu_seqlens_q.device),
+        torch.cat(kis),
+        meta.max_seqlen_q,
+        int(lk.max()),
+    )
     return BACKENDS["torch"](q, torch.cat(ks), torch.cat(vs), wide, scale, dropout)
 
 
@@ -428,9 +489,13 @@ class SpotBatch:
 
 
 @torch.no_grad()
-def packed_spot_batch(model: torch.nn.Module, episodes: Sequence[Episode], backend: str = "torch",
-                      fault: Optional[Callable[[PackedRow], PackedRow]] = None,
-                      hf_model: Optional[torch.nn.Module] = None) -> SpotBatch:
+def packed_spot_batch(
+    model: torch.nn.Module,
+    episodes: Sequence[Episode],
+    backend: str = "torch",
+    fault: Optional[Callable[[PackedRow], PackedRow]] = None,
+    hf_model: Optional[torch.nn.Module] = None,
+) -> SpotBatch:
     """The episodes' packed rows in one remove-padding stream and their packed forward under ``backend``
     (each row passed through the packer ``fault`` when given); the records are the episodes' own. ``model``
     as the engine calls it, ``hf_model`` the Hugging Face model inside (default ``model``; FSDP1 wraps it)."""
@@ -442,22 +507,32 @@ def packed_spot_batch(model: torch.nn.Module, episodes: Sequence[Episode], backe
     lengths = torch.tensor([len(r.segment_ids) for r in rows])
     device = hf_model.get_input_embeddings().weight.device
     with attention_implementation(hf_model, hf_name(backend)):
-        logits = model(input_ids=ids.to(device), position_ids=pos.to(device), memopd_segments=meta.to(device),
-                       use_cache=False).logits  # (1, N, V)
-    return SpotBatch(logits.flatten(0, 1), torch.cumsum(lengths, 0) - lengths,
-                     [torch.tensor(_row_ids(r), device=device) for r in rows],
-                     [torch.tensor(r.response_mask) for r in rows], [records_of_episode(ep.invocations) for ep in episodes])
+        logits = model(
+            input_ids=ids.to(device), position_ids=pos.to(device), memopd_segments=meta.to(device), use_cache=False
+        ).logits  # (1, N, V)
+    return SpotBatch(
+        logits.flatten(0, 1),
+        torch.cumsum(lengths, 0) - lengths,
+        [torch.tensor(_row_ids(r), device=device) for r in rows],
+        [torch.tensor(r.response_mask) for r in rows],
+        [records_of_episode(ep.invocations) for ep in episodes],
+    )
 
 
-def spot_check_rows(model: torch.nn.Module, episodes: Sequence[Episode], backend: str = "torch",
-                    fault: Optional[Callable[[PackedRow], PackedRow]] = None,
-                    hf_model: Optional[torch.nn.Module] = None) -> SpotReport:
+def spot_check_rows(
+    model: torch.nn.Module,
+    episodes: Sequence[Episode],
+    backend: str = "torch",
+    fault: Optional[Callable[[PackedRow], PackedRow]] = None,
+    hf_model: Optional[torch.nn.Module] = None,
+) -> SpotReport:
     """The in-training check (``verl_memopd.audit.rce_spot_check``, as the actor engine runs it) on
     :func:`packed_spot_batch`'s rows (same arguments)."""
     hf_model = model if hf_model is None else hf_model
     batch = packed_spot_batch(model, episodes, backend, fault, hf_model)
-    stats, bounds, problems = rce_spot_check(model, hf_model, batch.logits, batch.row_start, batch.input_ids,
-                                             batch.response_masks, batch.records)
+    stats, bounds, problems = rce_spot_check(
+        model, hf_model, batch.logits, batch.row_start, batch.input_ids, batch.response_masks, batch.records
+    )
     return SpotReport(summarize(stats, bounds), problems)
 
 
@@ -497,13 +572,18 @@ class SelfTest:
         for case in self.offline:
             off, spot = self.offline[case], self.in_training[case]
             out.append(f"offline {case}: {'PASS' if off.passed else 'FAIL'} {off.calls.text()}")
-            out.append(f"in-training {case}: {'PASS' if spot.passed else 'FAIL'} {spot.calls.text()}"
-                       + (f" records_mismatch={len(spot.problems)}" if spot.problems else ""))
-        out.append(f"seconds clean: offline={self.seconds['offline']:.2f} "
-                   f"in_training={self.seconds['in_training']:.2f}")
-        out.append(f"RCE self-test dtype={self.dtype} faults={len(self.faults)} "
-                   f"detected_offline={self.detected_offline} detected_in_training={self.detected_in_training} "
-                   f"clean_pass={int(self.clean_pass)}")
+            out.append(
+                f"in-training {case}: {'PASS' if spot.passed else 'FAIL'} {spot.calls.text()}"
+                + (f" records_mismatch={len(spot.problems)}" if spot.problems else "")
+            )
+        out.append(
+            f"seconds clean: offline={self.seconds['offline']:.2f} in_training={self.seconds['in_training']:.2f}"
+        )
+        out.append(
+            f"RCE self-test dtype={self.dtype} faults={len(self.faults)} "
+            f"detected_offline={self.detected_offline} detected_in_training={self.detected_in_training} "
+            f"clean_pass={int(self.clean_pass)}"
+        )
         return out
 
 

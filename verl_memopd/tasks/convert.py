@@ -44,14 +44,39 @@ from typing import Any, Callable, Sequence
 
 from verl_memopd.tasks.dataset import episode_row, parse_row
 from verl_memopd.tasks.layouts import (
-    DOCUMENT, FORMATS, LAYOUTS, REFUSALS, Options, QARecord, Refused, extract, join_documents,
+    DOCUMENT,
+    FORMATS,
+    LAYOUTS,
+    REFUSALS,
+    Options,
+    QARecord,
+    Refused,
+    extract,
+    join_documents,
 )
 from verl_memopd.tasks.prompts import MemoryPrompts
 from verl_memopd.tasks.readers import Located, read_located
 
-__all__ = ["FORMATS", "FORMAT_NAMES", "REFUSALS", "Refused", "QARecord", "Options", "read_records", "extract",
-           "join_documents", "split_units", "chunk_text", "ConvertResult", "convert_records", "SOURCE_PREFIX",
-           "DOCUMENT", "LARGE_CONTEXT_CHARS", "MANY_CHUNKS", "write_rows_atomic"]
+__all__ = [
+    "FORMATS",
+    "FORMAT_NAMES",
+    "REFUSALS",
+    "Refused",
+    "QARecord",
+    "Options",
+    "read_records",
+    "extract",
+    "join_documents",
+    "split_units",
+    "chunk_text",
+    "ConvertResult",
+    "convert_records",
+    "SOURCE_PREFIX",
+    "DOCUMENT",
+    "LARGE_CONTEXT_CHARS",
+    "MANY_CHUNKS",
+    "write_rows_atomic",
+]
 
 #: ``data_source`` prefix of converted rows; the input file's stem follows after a slash.
 SOURCE_PREFIX = "memopd_convert"
@@ -64,14 +89,17 @@ MANY_CHUNKS = 200
 
 # Latin sentence ends: . ! ? (closing quotes/brackets), then whitespace. Other scripts: no space needed.
 _SENTENCE_END = re.compile(r"[.!?\u2026][\"'\u201d\u2019)\]]*(?=\s)")
-_WIDE_END = re.compile(r"[\u3002\uff01\uff1f\uff0e\uff61\u0964\u0965\u061f\u06d4]"  # 。！？．｡ । ॥ ؟ ۔
-                       r"[\u300d\u300f\u201d\u2019\uff09)\]\u3011\"']*")
+_WIDE_END = re.compile(
+    r"[\u3002\uff01\uff1f\uff0e\uff61\u0964\u0965\u061f\u06d4]"  # 。！？．｡ । ॥ ؟ ۔
+    r"[\u300d\u300f\u201d\u2019\uff09)\]\u3011\"']*"
+)
 _BLANK_LINE = re.compile(r"\n[ \t]*\n")
 _NEXT_CHAR = re.compile(r"\s*(\S)")
 #: Words after which a period does not end a sentence (lower-case, without the period).
 ABBREVIATIONS = frozenset(
     "mr mrs ms dr prof st mt jr sr vs fig figs gen gov sen rep lt col sgt capt cpt maj adm approx dept univ inc "
-    "ltd corp bros vol pp rev hon pres e.g i.e cf al ca jan feb apr jun jul aug sep sept oct nov dec".split())
+    "ltd corp bros vol pp rev hon pres e.g i.e cf al ca jan feb apr jun jul aug sep sept oct nov dec".split()
+)
 _INITIALS = re.compile(r"(?:[A-Za-z]\.)*[A-Za-z]")  # "U.S" of "U.S.", "J" of "J. R. R."
 
 
@@ -89,7 +117,7 @@ def sentence_ends(text: str) -> list[int]:
             k = m.start()
             while k > 0 and not text[k - 1].isspace() and m.start() - k < 24:
                 k -= 1
-            word = text[k:m.start()].lstrip("\"'(\u201c\u2018[")
+            word = text[k : m.start()].lstrip("\"'(\u201c\u2018[")
             if _INITIALS.fullmatch(word) or word.lower() in ABBREVIATIONS:
                 continue
         after = _NEXT_CHAR.match(text, m.end())
@@ -139,8 +167,9 @@ def chunk_text(text: str, tokenizer: Any, max_tokens: int, limit: int | None = N
     return chunks
 
 
-def _longest_run(units: Sequence[str], sizes: Sequence[int], start: int, count: Callable[[str], int],
-                 max_tokens: int) -> int:
+def _longest_run(
+    units: Sequence[str], sizes: Sequence[int], start: int, count: Callable[[str], int], max_tokens: int
+) -> int:
     """``end`` of the longest run ``units[start:end]`` (at least one unit) whose stripped text fits.
 
     Starts from the units' own token counts (``sizes``), then checks the exact count of the joined
@@ -193,25 +222,35 @@ def _split_between_tokens(text: str, tokenizer: Any, max_tokens: int) -> list[st
         raise ValueError("chunking needs a fast tokenizer (character offsets of tokens)")
     count = _counter(tokenizer)
     offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-    cuts = [(0, 0)] + [(s, i) for i, (s, _) in enumerate(offsets)  # (character position, token index)
-                       if i and s > offsets[i - 1][0] and s >= offsets[i - 1][1]] + [(len(text), len(offsets))]
+    cuts = (
+        [(0, 0)]
+        + [
+            (s, i)
+            for i, (s, _) in enumerate(offsets)  # (character position, token index)
+            if i and s > offsets[i - 1][0] and s >= offsets[i - 1][1]
+        ]
+        + [(len(text), len(offsets))]
+    )
     pieces, c = [], 0
     while c < len(cuts) - 1:
         n = c
         while n + 1 < len(cuts) and cuts[n + 1][1] - cuts[c][1] <= max_tokens:
             n += 1
         within = range(n, c, -1)  # candidate ends, longest first: word boundaries, then any token start
-        candidates = [e for e in within if cuts[e][0] == len(text) or _word_boundary(text, cuts[e][0])] + \
-                     [e for e in within if not (cuts[e][0] == len(text) or _word_boundary(text, cuts[e][0]))]
+        candidates = [e for e in within if cuts[e][0] == len(text) or _word_boundary(text, cuts[e][0])] + [
+            e for e in within if not (cuts[e][0] == len(text) or _word_boundary(text, cuts[e][0]))
+        ]
         piece, end = None, c
         for e in candidates:  # re-encoding a piece alone may take a token more
-            piece = _fitting(text[cuts[c][0]:cuts[e][0]], count, max_tokens)
+            piece = _fitting(text[cuts[c][0] : cuts[e][0]], count, max_tokens)
             if piece is not None:
                 end = e
                 break
         if piece is None:
-            raise ValueError(f"--chunk-tokens {max_tokens} is too small: {text[cuts[c][0]:][:40]!r}... "
-                             "cannot be cut between tokens into pieces that fit")
+            raise ValueError(
+                f"--chunk-tokens {max_tokens} is too small: {text[cuts[c][0] :][:40]!r}... "
+                "cannot be cut between tokens into pieces that fit"
+            )
         pieces += [piece] if piece else []
         c = end
     return pieces
@@ -250,61 +289,89 @@ class ConvertResult:
 
         if not self.needs or len(self.needs) != len(self.rows):
             return None
-        return DataNeeds(max(self.prompt_tokens), max(e for _, _, e in self.needs),
-                         tuple((m, f) for m, f, _ in self.needs), tokenizer_name)
+        return DataNeeds(
+            max(self.prompt_tokens),
+            max(e for _, _, e in self.needs),
+            tuple((m, f) for m, f, _ in self.needs),
+            tokenizer_name,
+        )
 
     def summary(self, max_tokens: int, memory_tokens: int = 256, answer_tokens: int = 64) -> list[str]:
         """The printed summary: every refusal with its place, then statistics (CLI prints a last line)."""
         lines = [f"refused {r.where}: {r.message}" for r in self.refusals]
         if self.refusals:
             kinds = sorted({r.kind for r in self.refusals})
-            lines.append("refusals by class: " + " ".join(
-                f"{k}={sum(r.kind == k for r in self.refusals)}" for k in kinds))
+            lines.append(
+                "refusals by class: " + " ".join(f"{k}={sum(r.kind == k for r in self.refusals)}" for k in kinds)
+            )
         lines += list(self.warnings)
         n_q = [len(r["extra_info"]["questions"]) for r in self.rows]
         lines.append(f"rows: {len(self.rows)}" + (f" (questions per row {_stats(n_q, '.2f')})" if n_q else ""))
         if not self.rows:
             return lines
         layouts = sorted({(lay, t) for lay, t in self.layouts})
-        lines.append("layouts: " + " ".join(f"{lay}{'/' + t if t else ''}={self.layouts.count((lay, t))}"
-                                            for lay, t in layouts)
-                     + ("" if not any(t for _, t in layouts) else
-                        "  (RULER: instructions stripped from the question unless --keep-instructions; "
-                        "'unknown' = no known template, the input kept whole)"))
+        lines.append(
+            "layouts: "
+            + " ".join(f"{lay}{'/' + t if t else ''}={self.layouts.count((lay, t))}" for lay, t in layouts)
+            + (
+                ""
+                if not any(t for _, t in layouts)
+                else "  (RULER: instructions stripped from the question unless --keep-instructions; "
+                "'unknown' = no known template, the input kept whole)"
+            )
+        )
         modes = [m for r in self.rows for m in r["extra_info"]["answer_modes"]]
-        lines.append(f"answer modes: any={modes.count('any')} (aliases, max over them) all={modes.count('all')} "
-                     "(values, share found)")
-        lines += [f"chunks per episode: {_stats(self.chunk_counts, '.2f')}",
-                  f"tokens per chunk: {_stats(self.chunk_tokens, '.1f')} (limit {max_tokens})",
-                  f"q tokens: {_stats(self.prompt_tokens, '.1f')} (data.max_prompt_length must be >= "
-                  f"{max(self.prompt_tokens)})"]
+        lines.append(
+            f"answer modes: any={modes.count('any')} (aliases, max over them) all={modes.count('all')} "
+            "(values, share found)"
+        )
+        lines += [
+            f"chunks per episode: {_stats(self.chunk_counts, '.2f')}",
+            f"tokens per chunk: {_stats(self.chunk_tokens, '.1f')} (limit {max_tokens})",
+            f"q tokens: {_stats(self.prompt_tokens, '.1f')} (data.max_prompt_length must be >= "
+            f"{max(self.prompt_tokens)})",
+        ]
         needs = self.data_needs()
         if needs is not None:
-            lines.append(f"packed response: data.max_response_length (actor_rollout_ref.rollout.response_length) "
-                         f"must be >= {needs.response_length(memory_tokens, answer_tokens)} with "
-                         f"memopd.agent.memory_tokens={memory_tokens} answer_tokens={answer_tokens} (longest row, "
-                         f"every memory call writing its whole budget; recorded in the parquet file and checked "
-                         f"by the recipe before Ray starts)")
+            lines.append(
+                f"packed response: data.max_response_length (actor_rollout_ref.rollout.response_length) "
+                f"must be >= {needs.response_length(memory_tokens, answer_tokens)} with "
+                f"memopd.agent.memory_tokens={memory_tokens} answer_tokens={answer_tokens} (longest row, "
+                f"every memory call writing its whole budget; recorded in the parquet file and checked "
+                f"by the recipe before Ray starts)"
+            )
         many = [c for c in self.chunk_counts if c > MANY_CHUNKS]
         if many:
-            lines.append(f"warning: {len(many)} row(s) have more than {MANY_CHUNKS} chunks (max {max(many)}): one "
-                         f"memory call per chunk; --max-chunks M refuses rows with more than M chunks")
+            lines.append(
+                f"warning: {len(many)} row(s) have more than {MANY_CHUNKS} chunks (max {max(many)}): one "
+                f"memory call per chunk; --max-chunks M refuses rows with more than M chunks"
+            )
         return lines
 
     def last_line(self) -> str:
         mean = sum(self.chunk_counts) / len(self.chunk_counts) if self.chunk_counts else 0.0
-        return (f"converted rows={len(self.rows)} refused={len(self.refusals)} chunks_mean={mean:.2f} "
-                f"chunk_tokens_max={max(self.chunk_tokens, default=0)}")
+        return (
+            f"converted rows={len(self.rows)} refused={len(self.refusals)} chunks_mean={mean:.2f} "
+            f"chunk_tokens_max={max(self.chunk_tokens, default=0)}"
+        )
 
 
 def _stats(values: Sequence[float], fmt: str) -> str:
     return f"min {min(values)} mean {sum(values) / len(values):{fmt}} max {max(values)}"
 
 
-def convert_records(records: Sequence[Any], tokenizer: Any, chunk_tokens: int, fmt: str = "auto",
-                    split: str = "train", source: str = "input", max_chunks: int | None = None,
-                    prompts: MemoryPrompts = MemoryPrompts(), options: Options = Options(),
-                    on_warning: Callable[[str], None] | None = None) -> ConvertResult:
+def convert_records(
+    records: Sequence[Any],
+    tokenizer: Any,
+    chunk_tokens: int,
+    fmt: str = "auto",
+    split: str = "train",
+    source: str = "input",
+    max_chunks: int | None = None,
+    prompts: MemoryPrompts = MemoryPrompts(),
+    options: Options = Options(),
+    on_warning: Callable[[str], None] | None = None,
+) -> ConvertResult:
     """Convert records to agent rows; refused rows are listed, not raised.
 
     A record is a value (its place: ``row i``, ``source`` names its file) or a :class:`Located` from
@@ -326,17 +393,30 @@ def convert_records(records: Sequence[Any], tokenizer: Any, chunk_tokens: int, f
                     on_warning(warnings[-1])
             chunks = chunk_text(record.context, tokenizer, chunk_tokens, max_chunks)
             if max_chunks is not None and len(chunks) > max_chunks:
-                raise Refused("too_many_chunks", f"the context yields more than {max_chunks} chunks of <= "
-                                                 f"{chunk_tokens} tokens (--max-chunks {max_chunks}; cutting stopped "
-                                                 f"at {len(chunks)})")
+                raise Refused(
+                    "too_many_chunks",
+                    f"the context yields more than {max_chunks} chunks of <= "
+                    f"{chunk_tokens} tokens (--max-chunks {max_chunks}; cutting stopped "
+                    f"at {len(chunks)})",
+                )
         except Refused as refused:
             refusals.append(Refusal(i, refused.kind, str(refused), where))
             continue
         except ValueError as e:  # a setting that no row can meet (e.g. --chunk-tokens too small)
             raise ValueError(f"{where}: {e}") from None
         extra = {"source_row": file_row, "source_file": stem, "source_id": record.source_id}
-        row = episode_row(f"{SOURCE_PREFIX}/{stem}", record.questions, record.answer_sets, chunks, len(rows),
-                          split, f"{split}-{len(rows)}", prompts, extra=extra, answer_modes=record.answer_modes)
+        row = episode_row(
+            f"{SOURCE_PREFIX}/{stem}",
+            record.questions,
+            record.answer_sets,
+            chunks,
+            len(rows),
+            split,
+            f"{split}-{len(rows)}",
+            prompts,
+            extra=extra,
+            answer_modes=record.answer_modes,
+        )
         parse_row(row["extra_info"], row["reward_model"], where=where)  # the agent loop's own gate
         rows.append(row)
         layouts.append((record.layout, record.template or ""))
@@ -347,8 +427,16 @@ def convert_records(records: Sequence[Any], tokenizer: Any, chunk_tokens: int, f
             from verl_memopd.tasks.needs import episode_needs
 
             needs.append(episode_needs(tokenizer, row["prompt"], chunks, prompts))
-    return ConvertResult(tuple(rows), tuple(refusals), tuple(counts), tuple(sizes), tuple(q_sizes), tuple(warnings),
-                         tuple(needs), tuple(layouts))
+    return ConvertResult(
+        tuple(rows),
+        tuple(refusals),
+        tuple(counts),
+        tuple(sizes),
+        tuple(q_sizes),
+        tuple(warnings),
+        tuple(needs),
+        tuple(layouts),
+    )
 
 
 def _place(item: Any, i: int, source: str) -> tuple[Any, str, str, int]:
@@ -358,14 +446,20 @@ def _place(item: Any, i: int, source: str) -> tuple[Any, str, str, int]:
     return item, f"row {i}", source, i
 
 
-def _large_warning(where: str, context: str, count: Callable[[str], int], chunk_tokens: int,
-                   max_chunks: int | None) -> str:
+def _large_warning(
+    where: str, context: str, count: Callable[[str], int], chunk_tokens: int, max_chunks: int | None
+) -> str:
     sample = context[:20_000]  # tokens per character, measured on the first 20k characters
     estimate = int(len(context) * count(sample) / len(sample) / chunk_tokens) + 1
-    limit = (f"--max-chunks {max_chunks} stops cutting it after {max_chunks} chunks and refuses it" if max_chunks
-             else "--max-chunks M would refuse rows with more than M chunks (and stop cutting them early)")
-    return (f"warning: {where}: a context of {len(context) / 1e6:.2f} M characters, about {estimate} chunks of "
-            f"{chunk_tokens} tokens = {estimate} memory calls per episode; cutting it takes a while; {limit}")
+    limit = (
+        f"--max-chunks {max_chunks} stops cutting it after {max_chunks} chunks and refuses it"
+        if max_chunks
+        else "--max-chunks M would refuse rows with more than M chunks (and stop cutting them early)"
+    )
+    return (
+        f"warning: {where}: a context of {len(context) / 1e6:.2f} M characters, about {estimate} chunks of "
+        f"{chunk_tokens} tokens = {estimate} memory calls per episode; cutting it takes a while; {limit}"
+    )
 
 
 def _render(tokenizer: Any, prompt: list[dict]) -> str:

@@ -56,16 +56,30 @@ class TaskRow:
 def to_row(task: MemoryTask, preset: str, split: str, index: int, prompts: MemoryPrompts = MemoryPrompts()) -> dict:
     """The parquet row of one generated episode (schema in the module docstring)."""
     return episode_row(
-        f"{DATA_SOURCE}/{preset}", [q.text for q in task.questions], [list(q.answers) for q in task.questions],
-        list(task.chunks), index, split, task.episode_id, prompts,
+        f"{DATA_SOURCE}/{preset}",
+        [q.text for q in task.questions],
+        [list(q.answers) for q in task.questions],
+        list(task.chunks),
+        index,
+        split,
+        task.episode_id,
+        prompts,
         extra={"support": [[f.sentence for f in q.support] for q in task.questions]},
     )
 
 
-def episode_row(data_source: str, questions: Sequence[str], answer_sets: Sequence[Sequence[str]],
-                chunks: Sequence[str], index: int, split: str, episode_id: str,
-                prompts: MemoryPrompts = MemoryPrompts(), extra: Mapping | None = None,
-                answer_modes: Sequence[str] | None = None) -> dict:
+def episode_row(
+    data_source: str,
+    questions: Sequence[str],
+    answer_sets: Sequence[Sequence[str]],
+    chunks: Sequence[str],
+    index: int,
+    split: str,
+    episode_id: str,
+    prompts: MemoryPrompts = MemoryPrompts(),
+    extra: Mapping | None = None,
+    answer_modes: Sequence[str] | None = None,
+) -> dict:
     """One row of the schema above from its parts (K questions, K alias lists, N chunk texts).
 
     ``answer_modes`` (K names, ``tasks.reward.ANSWER_MODES``) is written to ``extra_info.answer_modes``
@@ -80,9 +94,13 @@ def episode_row(data_source: str, questions: Sequence[str], answer_sets: Sequenc
         "ability": "memory",
         "reward_model": {"style": "rule", "ground_truth": [list(a) for a in answer_sets]},
         "extra_info": {
-            "index": index, "split": split, "episode_id": episode_id,
-            "questions": list(questions), "chunks": list(chunks),
-            **({"answer_modes": list(answer_modes)} if answer_modes is not None else {}), **(extra or {}),
+            "index": index,
+            "split": split,
+            "episode_id": episode_id,
+            "questions": list(questions),
+            "chunks": list(chunks),
+            **({"answer_modes": list(answer_modes)} if answer_modes is not None else {}),
+            **(extra or {}),
         },
         "agent_name": AGENT_NAME,
     }

@@ -31,8 +31,18 @@ from typing import Iterator, Sequence
 from verl_memopd.tasks.prompts import MemoryPrompts, format_answers
 from verl_memopd.tasks.world import QUESTION_KINDS, RELATIONS, Fact, World, get_vocabulary
 
-__all__ = ["TaskConfig", "Question", "MemoryTask", "Preset", "HORIZONS", "HORIZON_PRESETS", "PRESETS", "get_preset",
-           "generate", "corpus"]
+__all__ = [
+    "TaskConfig",
+    "Question",
+    "MemoryTask",
+    "Preset",
+    "HORIZONS",
+    "HORIZON_PRESETS",
+    "PRESETS",
+    "get_preset",
+    "generate",
+    "corpus",
+]
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,9 @@ class TaskConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "hops", tuple(int(h) for h in self.hops))
         if self.n_chunks < 1 or self.n_questions < 1:
-            raise ValueError(f"TaskConfig: n_chunks ({self.n_chunks}) and n_questions ({self.n_questions}) must be >= 1")
+            raise ValueError(
+                f"TaskConfig: n_chunks ({self.n_chunks}) and n_questions ({self.n_questions}) must be >= 1"
+            )
         known = sorted({k.hops for k in QUESTION_KINDS.values()})
         if not self.hops or any(h not in known for h in self.hops):
             raise ValueError(f"TaskConfig.hops {self.hops} must be a non-empty subset of {known}")
@@ -71,8 +83,9 @@ class TaskConfig:
         if self.chunk_words < 1:
             raise ValueError(f"TaskConfig.chunk_words must be >= 1, got {self.chunk_words}")
         if self.support_chunks is not None and not 1 <= self.support_chunks <= self.n_chunks:
-            raise ValueError(f"TaskConfig.support_chunks must be in [1, n_chunks={self.n_chunks}] or None, "
-                             f"got {self.support_chunks}")
+            raise ValueError(
+                f"TaskConfig.support_chunks must be in [1, n_chunks={self.n_chunks}] or None, got {self.support_chunks}"
+            )
         get_vocabulary(self.vocabulary)
 
 
@@ -124,23 +137,42 @@ class Preset:
 #: ``tiny``: there the facts may sit in any chunk).
 HORIZONS = (3, 6, 12)
 HORIZON_PRESETS = tuple(
-    Preset(f"h{t}", TaskConfig(n_chunks=t, n_questions=2, distractor_rate=t / 6, chunk_words=24, vocabulary="tiny",
-                               support_chunks=2),
-           {"train": 2048, "val": 64, "test": 128})
+    Preset(
+        f"h{t}",
+        TaskConfig(
+            n_chunks=t, n_questions=2, distractor_rate=t / 6, chunk_words=24, vocabulary="tiny", support_chunks=2
+        ),
+        {"train": 2048, "val": 64, "test": 128},
+    )
     for t in HORIZONS
 )
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset("tiny", TaskConfig(n_chunks=3, n_questions=2, distractor_rate=0.5, chunk_words=24, vocabulary="tiny"),
-           {"train": 512, "val": 64, "test": 64}),
-    Preset("small", TaskConfig(n_chunks=4, n_questions=2, distractor_rate=1.0, chunk_words=60),
-           {"train": 2048, "val": 128, "test": 128}),
-    Preset("3b", TaskConfig(n_chunks=8, n_questions=3, distractor_rate=2.0, chunk_words=400),
-           {"train": 4096, "val": 128, "test": 128}),
-    Preset("7b", TaskConfig(n_chunks=16, n_questions=4, distractor_rate=2.0, chunk_words=800),
-           {"train": 2048, "val": 128, "test": 128}),
-    *HORIZON_PRESETS,
-)}
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset(
+            "tiny",
+            TaskConfig(n_chunks=3, n_questions=2, distractor_rate=0.5, chunk_words=24, vocabulary="tiny"),
+            {"train": 512, "val": 64, "test": 64},
+        ),
+        Preset(
+            "small",
+            TaskConfig(n_chunks=4, n_questions=2, distractor_rate=1.0, chunk_words=60),
+            {"train": 2048, "val": 128, "test": 128},
+        ),
+        Preset(
+            "3b",
+            TaskConfig(n_chunks=8, n_questions=3, distractor_rate=2.0, chunk_words=400),
+            {"train": 4096, "val": 128, "test": 128},
+        ),
+        Preset(
+            "7b",
+            TaskConfig(n_chunks=16, n_questions=4, distractor_rate=2.0, chunk_words=800),
+            {"train": 2048, "val": 128, "test": 128},
+        ),
+        *HORIZON_PRESETS,
+    )
+}
 
 
 def get_preset(name: str) -> Preset:
@@ -229,8 +261,9 @@ def generate(cfg: TaskConfig, seed: int, split: str, index: int) -> MemoryTask:
     return MemoryTask(f"{split}-{index}", tuple(questions), chunks)
 
 
-def corpus(n_samples: int, seed: int, presets: Sequence[str] = ("tiny", "small"),
-           prompts: MemoryPrompts = MemoryPrompts()) -> Iterator[str]:
+def corpus(
+    n_samples: int, seed: int, presets: Sequence[str] = ("tiny", "small"), prompts: MemoryPrompts = MemoryPrompts()
+) -> Iterator[str]:
     """``n_samples`` texts, one per episode, for training a tokenizer on the benchmark's words.
 
     Episodes cycle through ``presets``; each text holds the episode's question message, every

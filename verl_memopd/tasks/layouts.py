@@ -43,8 +43,18 @@ from typing import Any, Callable, Mapping, Sequence
 
 from verl_memopd.tasks.reward import ANSWER_MODES
 
-__all__ = ["REFUSALS", "Refused", "QARecord", "FORMATS", "LAYOUTS", "RULER_TEMPLATES", "Options", "extract",
-           "join_documents", "DOCUMENT"]
+__all__ = [
+    "REFUSALS",
+    "Refused",
+    "QARecord",
+    "FORMATS",
+    "LAYOUTS",
+    "RULER_TEMPLATES",
+    "Options",
+    "extract",
+    "join_documents",
+    "DOCUMENT",
+]
 
 #: Refusal classes, as printed in the summary.
 REFUSALS = {
@@ -113,10 +123,16 @@ class Options:
 #: Where the generic layouts look for each field (first present wins; dots = nesting).
 FORMATS: dict[str, dict[str, tuple[str, ...]]] = {
     "jsonl": {"context": ("context",), "question": ("question",), "answers": ("answers",)},
-    "memagent": {"context": ("context",), "question": ("input", "extra_info.question", "prompt"),
-                 "answers": ("answers", "outputs", "reward_model.ground_truth")},
-    "auto": {"context": ("context",), "question": ("question", "input", "extra_info.question", "prompt"),
-             "answers": ("answers", "outputs", "solution", "reward_model.ground_truth", "answer")},
+    "memagent": {
+        "context": ("context",),
+        "question": ("input", "extra_info.question", "prompt"),
+        "answers": ("answers", "outputs", "reward_model.ground_truth"),
+    },
+    "auto": {
+        "context": ("context",),
+        "question": ("question", "input", "extra_info.question", "prompt"),
+        "answers": ("answers", "outputs", "solution", "reward_model.ground_truth", "answer"),
+    },
 }
 _ID_FIELDS = ("_id", "id", "index", "extra_info.index")
 
@@ -138,9 +154,17 @@ def _source_id(record: Mapping) -> str | None:
 
 
 # --- the generic reader ---------------------------------------------------------------------
-def generic(record: Mapping, fmt: str, options: Options, names: Mapping[str, Sequence[str]] | None = None,
-            layout: str | None = None, modes: Any = None, template: str | None = None,
-            question: Any = None, context: Any = None) -> QARecord:
+def generic(
+    record: Mapping,
+    fmt: str,
+    options: Options,
+    names: Mapping[str, Sequence[str]] | None = None,
+    layout: str | None = None,
+    modes: Any = None,
+    template: str | None = None,
+    question: Any = None,
+    context: Any = None,
+) -> QARecord:
     """Validate ``record`` under the field names of ``fmt`` (or ``names``); ``question`` / ``context``
     replace the record's when a layout has computed them."""
     names = names or FORMATS[fmt]
@@ -151,17 +175,26 @@ def generic(record: Mapping, fmt: str, options: Options, names: Mapping[str, Seq
         found["context"] = ("context", context)
     missing = [f"{key} ({' | '.join(names[key])})" for key, hit in found.items() if hit is None]
     if missing:
-        raise Refused("missing_field", "no " + ", no ".join(missing) + f" [--format {fmt}]; the record has "
-                      f"fields {sorted(record)}: rename them to context, question, answers, or see README "
-                      f"'Your own data' for the layouts read")
+        raise Refused(
+            "missing_field",
+            "no " + ", no ".join(missing) + f" [--format {fmt}]; the record has "
+            f"fields {sorted(record)}: rename them to context, question, answers, or see README "
+            f"'Your own data' for the layouts read",
+        )
     (_, ctx), (q_name, q_value), (a_name, a_value) = found["context"], found["question"], found["answers"]
     questions, single = _questions(q_value, q_name)
     answer_sets = _answer_sets(a_value, a_name, len(questions), single)
     if modes is None and "answer_mode" in record:
         modes = record["answer_mode"]
-    return QARecord(_context(ctx, options.corpus), questions, answer_sets,
-                    _modes(modes, len(questions), options.answer_mode), _source_id(record),
-                    layout or fmt, template)
+    return QARecord(
+        _context(ctx, options.corpus),
+        questions,
+        answer_sets,
+        _modes(modes, len(questions), options.answer_mode),
+        _source_id(record),
+        layout or fmt,
+        template,
+    )
 
 
 def _modes(value: Any, k: int, forced: str) -> tuple[str, ...]:
@@ -201,9 +234,12 @@ def _context(value: Any, corpus: Sequence[str] | None) -> str:
 
 def _from_corpus(indices: Sequence[int], corpus: Sequence[str] | None) -> list[str]:
     if corpus is None:
-        raise Refused("needs_corpus", f"context is a list of {len(indices)} document indices (MemAgent's RULER qa "
-                      "rows over 2M tokens store indices); pass --corpus FILE: the file they index (MemAgent: "
-                      "squad.json for qa_1, hotpotqa_dev.json for qa_2) or a JSON array of document strings")
+        raise Refused(
+            "needs_corpus",
+            f"context is a list of {len(indices)} document indices (MemAgent's RULER qa "
+            "rows over 2M tokens store indices); pass --corpus FILE: the file they index (MemAgent: "
+            "squad.json for qa_1, hotpotqa_dev.json for qa_2) or a JSON array of document strings",
+        )
     bad = [i for i in indices if not 0 <= i < len(corpus)]
     if bad:
         raise Refused("needs_corpus", f"document indices {bad[:5]} are outside --corpus ({len(corpus)} documents)")
@@ -213,8 +249,11 @@ def _from_corpus(indices: Sequence[int], corpus: Sequence[str] | None) -> list[s
 def _questions(value: Any, name: str) -> tuple[tuple[str, ...], bool]:
     """The questions, and whether there was a single one (a string, not a list)."""
     if name == "prompt":  # MemAgent's training rows: [{"role": "user", "content": question}]
-        users = [m for m in value if isinstance(m, Mapping) and m.get("role") == "user"] \
-            if isinstance(value, (list, tuple)) else []
+        users = (
+            [m for m in value if isinstance(m, Mapping) and m.get("role") == "user"]
+            if isinstance(value, (list, tuple))
+            else []
+        )
         if not users:
             raise Refused("missing_field", "prompt has no user message (the question)")
         value = users[-1].get("content")
@@ -241,8 +280,10 @@ def _answer_sets(value: Any, name: str, k: int, single: bool) -> tuple[tuple[str
     if single and not nested:
         value = [value]
     if len(value) < k or not value:
-        raise Refused("no_answers", f"question {len(value) + 1} has no answers ({k} questions, "
-                                    f"{len(value)} answer lists in {name})")
+        raise Refused(
+            "no_answers",
+            f"question {len(value) + 1} has no answers ({k} questions, {len(value)} answer lists in {name})",
+        )
     if len(value) > k:
         raise Refused("extra_answers", f"{len(value)} answer lists in {name} for {k} question(s)")
     out = []
@@ -267,29 +308,51 @@ _V = r"[\w-]+"
 #: MemAgent ``taskutils/memory_data/synthetic/constants.py``, singular niah variants included).
 #: Groups: ``context`` (the documents, when inside ``input``) and ``question`` (what is kept).
 RULER_TEMPLATES: tuple[tuple[str, str, re.Pattern], ...] = tuple(
-    (task, mode, re.compile(p, re.S)) for task, mode, p in (
-    ("niah", "all", rf"(?:Some|A) special magic {_V} (?:are|is) hidden within the following text\. Make sure to "
-                    rf"memorize it\.(?: I will quiz you about the {_V} afterwards\.)?(?P<context>.*?)"
-                    rf"(?P<question>What (?:are all|is) the special magic {_V} for .+? mentioned in the provided "
-                    rf"text\?)"),
-    ("variable_tracking", "all", r"Memorize and track the chain\(s\) of variable assignment hidden in the following "
-                                 r"text\.(?P<context>.*?)Question: (?P<question>Find all variables that are assigned "
-                                 r"the value .+? in the text above\.)"),
-    ("common_words_extraction", "all", r"Below is a numbered list of words\. In these words, some appear more often "
-                                       r"than others\. Memorize the ones that appear most often\.(?P<context>.*?)"
-                                       r"Question: (?P<question>What are the \d+ most common words in the above "
-                                       r"list\?)"),
-    ("freq_words_extraction", "all", r"Read the following coded text and track the frequency of each coded word\. "
-                                     r"Find the three most frequently appeared coded words\.(?P<context>.*?)Question: "
-                                     r"Do not provide any explanation\. (?P<question>Please ignore the dots '\.\.\.\.'"
-                                     r"\. What are the three most frequently appeared words in the above coded "
-                                     r"text\?)"),
-    ("qa", "any", r"Answer the question based on the given documents\. Only give me the answer and do not output any "
-                  r"other words\.\s*The following are given documents\.(?P<context>.*?)Answer the question based on "
-                  r"the given documents\. Only give me the answer and do not output any other words\.\s*Question: "
-                  r"(?P<question>.+)"),
-    ("qa", "any", r"Answer the question based on the given documents\.(?P<context>)\s*(?P<question>.+)"),
-))
+    (task, mode, re.compile(p, re.S))
+    for task, mode, p in (
+        (
+            "niah",
+            "all",
+            rf"(?:Some|A) special magic {_V} (?:are|is) hidden within the following text\. Make sure to "
+            rf"memorize it\.(?: I will quiz you about the {_V} afterwards\.)?(?P<context>.*?)"
+            rf"(?P<question>What (?:are all|is) the special magic {_V} for .+? mentioned in the provided "
+            rf"text\?)",
+        ),
+        (
+            "variable_tracking",
+            "all",
+            r"Memorize and track the chain\(s\) of variable assignment hidden in the following "
+            r"text\.(?P<context>.*?)Question: (?P<question>Find all variables that are assigned "
+            r"the value .+? in the text above\.)",
+        ),
+        (
+            "common_words_extraction",
+            "all",
+            r"Below is a numbered list of words\. In these words, some appear more often "
+            r"than others\. Memorize the ones that appear most often\.(?P<context>.*?)"
+            r"Question: (?P<question>What are the \d+ most common words in the above "
+            r"list\?)",
+        ),
+        (
+            "freq_words_extraction",
+            "all",
+            r"Read the following coded text and track the frequency of each coded word\. "
+            r"Find the three most frequently appeared coded words\.(?P<context>.*?)Question: "
+            r"Do not provide any explanation\. (?P<question>Please ignore the dots '\.\.\.\.'"
+            r"\. What are the three most frequently appeared words in the above coded "
+            r"text\?)",
+        ),
+        (
+            "qa",
+            "any",
+            r"Answer the question based on the given documents\. Only give me the answer and do not output any "
+            r"other words\.\s*The following are given documents\.(?P<context>.*?)Answer the question based on "
+            r"the given documents\. Only give me the answer and do not output any other words\.\s*Question: "
+            r"(?P<question>.+)",
+        ),
+        ("qa", "any", r"Answer the question based on the given documents\.(?P<context>)\s*(?P<question>.+)"),
+    )
+)
 
 
 def ruler(record: Mapping, options: Options) -> QARecord:
@@ -303,12 +366,13 @@ def ruler(record: Mapping, options: Options) -> QARecord:
             continue
         inner = m.group("context").strip()
         if options.keep_instructions:  # the input without its documents
-            question = " ".join((text[:m.start("context")] + " " + text[m.end("context"):]).split())
+            question = " ".join((text[: m.start("context")] + " " + text[m.end("context") :]).split())
         else:
             question = " ".join(m.group("question").split())
         context = inner if inner and record.get("context") is None else None
-        return generic(record, "memagent", options, layout="ruler", modes=[mode], template=task,
-                       question=question, context=context)
+        return generic(
+            record, "memagent", options, layout="ruler", modes=[mode], template=task, question=question, context=context
+        )
     return generic(record, "memagent", options, layout="ruler", template="unknown")
 
 
@@ -321,8 +385,10 @@ def longbench_v2(record: Mapping, options: Options) -> QARecord:
     choices = {c: record.get(f"choice_{c}") for c in _LETTERS if record.get(f"choice_{c}") is not None}
     letter = record.get("answer")
     if not isinstance(letter, str) or letter.strip().upper() not in choices:
-        raise Refused("bad_choice", f"answer {letter!r} is not one of the letters with a choice_<letter> field "
-                                    f"({sorted(choices)})")
+        raise Refused(
+            "bad_choice",
+            f"answer {letter!r} is not one of the letters with a choice_<letter> field ({sorted(choices)})",
+        )
     if any(not isinstance(c, str) or not c.strip() for c in choices.values()):
         raise Refused("non_string", "a choice_<letter> is empty or not a string")
     question = record.get("question")
@@ -339,16 +405,24 @@ def hotpotqa(record: Mapping, options: Options) -> QARecord:
     ctx = record.get("context")
     if isinstance(ctx, Mapping):
         titles, sentences = ctx.get("title"), ctx.get("sentences")
-        if not isinstance(titles, (list, tuple)) or not isinstance(sentences, (list, tuple)) \
-                or len(titles) != len(sentences):
+        if (
+            not isinstance(titles, (list, tuple))
+            or not isinstance(sentences, (list, tuple))
+            or len(titles) != len(sentences)
+        ):
             raise Refused("non_string", "context {title, sentences} must hold two lists of the same length")
         pairs = list(zip(titles, sentences))
     else:
         pairs = ctx
     docs = []
     for i, pair in enumerate(pairs, 1):
-        if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not isinstance(pair[0], str) \
-                or not isinstance(pair[1], (list, tuple)) or not all(isinstance(s, str) for s in pair[1]):
+        if (
+            not isinstance(pair, (list, tuple))
+            or len(pair) != 2
+            or not isinstance(pair[0], str)
+            or not isinstance(pair[1], (list, tuple))
+            or not all(isinstance(s, str) for s in pair[1])
+        ):
             raise Refused("non_string", f"context document {i} is not [title, [sentence, ...]]")
         docs.append(f"{pair[0]}\n{''.join(pair[1])}")
     return generic({**record, "answers": record.get("answer")}, "jsonl", options, layout="hotpotqa", context=docs)
@@ -357,8 +431,11 @@ def hotpotqa(record: Mapping, options: Options) -> QARecord:
 def _is_hotpot_context(ctx: Any) -> bool:
     if isinstance(ctx, Mapping):
         return "title" in ctx and "sentences" in ctx
-    return isinstance(ctx, (list, tuple)) and bool(ctx) and all(
-        isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[1], (list, tuple)) for p in ctx)
+    return (
+        isinstance(ctx, (list, tuple))
+        and bool(ctx)
+        and all(isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[1], (list, tuple)) for p in ctx)
+    )
 
 
 #: layout name -> (recognised by, reader); ``auto`` tries them in this order, then ``memagent`` names.
@@ -366,9 +443,12 @@ LAYOUTS: dict[str, tuple[Callable[[Mapping], bool], Callable[[Mapping, Options],
     "ruler": (lambda r: "input" in r and "outputs" in r, ruler),
     "longbench_v2": (lambda r: "choice_A" in r, longbench_v2),
     "hotpotqa": (lambda r: "answer" in r and "answers" not in r and _is_hotpot_context(r.get("context")), hotpotqa),
-    "dataset_process": (lambda r: "solution" in r and "question" in r,
-                        lambda r, o: generic(r, "auto", o, layout="dataset_process",
-                                             names={**FORMATS["auto"], "answers": ("solution",)})),
+    "dataset_process": (
+        lambda r: "solution" in r and "question" in r,
+        lambda r, o: generic(
+            r, "auto", o, layout="dataset_process", names={**FORMATS["auto"], "answers": ("solution",)}
+        ),
+    ),
 }
 
 
@@ -387,6 +467,13 @@ def extract(record: Any, fmt: str = "auto", options: Options = Options()) -> QAR
         for name, (recognises, read) in LAYOUTS.items():
             if recognises(record):
                 return read(record, options)
-    layout = fmt if fmt != "auto" else "jsonl" if "question" in record else \
-        "longbench" if "all_classes" in record else "memagent"
+    layout = (
+        fmt
+        if fmt != "auto"
+        else "jsonl"
+        if "question" in record
+        else "longbench"
+        if "all_classes" in record
+        else "memagent"
+    )
     return generic(record, fmt, options, layout=layout)

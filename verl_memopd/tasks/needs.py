@@ -41,18 +41,29 @@ class DataNeeds:
     def response_length(self, memory_tokens: int, answer_tokens: int) -> int:
         """The worst-case packed response of the longest row (formula in the module docstring)."""
         e = self.empty_memory_tokens
-        return max((f + e + m * max(memory_tokens, e) + m * memory_tokens + answer_tokens
-                    for m, f in self.episodes), default=0)
+        return max(
+            (f + e + m * max(memory_tokens, e) + m * memory_tokens + answer_tokens for m, f in self.episodes), default=0
+        )
 
     def to_json(self) -> str:
-        return json.dumps({"q_tokens": self.q_tokens, "empty_memory_tokens": self.empty_memory_tokens,
-                           "episodes": [list(e) for e in self.episodes], "tokenizer": self.tokenizer})
+        return json.dumps(
+            {
+                "q_tokens": self.q_tokens,
+                "empty_memory_tokens": self.empty_memory_tokens,
+                "episodes": [list(e) for e in self.episodes],
+                "tokenizer": self.tokenizer,
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "DataNeeds":
         d = json.loads(text)
-        return cls(int(d["q_tokens"]), int(d["empty_memory_tokens"]),
-                   tuple((int(m), int(f)) for m, f in d["episodes"]), str(d.get("tokenizer", "")))
+        return cls(
+            int(d["q_tokens"]),
+            int(d["empty_memory_tokens"]),
+            tuple((int(m), int(f)) for m, f in d["episodes"]),
+            str(d.get("tokenizer", "")),
+        )
 
 
 def episode_needs(tokenizer: Any, prompt: Sequence[dict], chunks: Sequence[str], prompts: Any) -> tuple[int, int, int]:
@@ -85,8 +96,14 @@ def _files(value: Any) -> list[str]:
     return [str(v) for v in value]
 
 
-def check_lengths(data_files: dict[str, Any], prompt_length: int | None, response_length: int | None,
-                  memory_tokens: int, answer_tokens: int, default_call_prompts: bool = True) -> list[str]:
+def check_lengths(
+    data_files: dict[str, Any],
+    prompt_length: int | None,
+    response_length: int | None,
+    memory_tokens: int,
+    answer_tokens: int,
+    default_call_prompts: bool = True,
+) -> list[str]:
     """Problems of the rollout lengths against the recorded needs of the data files (empty: fine).
 
     ``data_files``: config key (``train_files``, ``val_files``) -> a path or a list of paths; files
@@ -100,9 +117,11 @@ def check_lengths(data_files: dict[str, Any], prompt_length: int | None, respons
             if needs is None:
                 continue
             if prompt_length is not None and needs.q_tokens > int(prompt_length):
-                problems.append(f"data.{key} {path}: q takes up to {needs.q_tokens} tokens but "
-                                f"actor_rollout_ref.rollout.prompt_length={prompt_length} (set "
-                                f"data.max_prompt_length >= {needs.q_tokens})")
+                problems.append(
+                    f"data.{key} {path}: q takes up to {needs.q_tokens} tokens but "
+                    f"actor_rollout_ref.rollout.prompt_length={prompt_length} (set "
+                    f"data.max_prompt_length >= {needs.q_tokens})"
+                )
             need = needs.response_length(memory_tokens, answer_tokens)
             if response_length is not None and default_call_prompts and need > int(response_length):
                 problems.append(
@@ -110,5 +129,6 @@ def check_lengths(data_files: dict[str, Any], prompt_length: int | None, respons
                     f"{max(m for m, _ in needs.episodes)} chunks at most, every memory call writing memopd.agent."
                     f"memory_tokens={memory_tokens}, answer_tokens={answer_tokens}) but "
                     f"actor_rollout_ref.rollout.response_length={response_length}: set data.max_response_length "
-                    f">= {need}, or convert with a smaller --max-chunks / --chunk-tokens")
+                    f">= {need}, or convert with a smaller --max-chunks / --chunk-tokens"
+                )
     return problems

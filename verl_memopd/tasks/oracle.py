@@ -48,8 +48,10 @@ class OracleEpisode:
 
     def messages(self, prompt: Sequence[dict]) -> list[list[dict]]:
         """One chat per call: ``prompt + [user message, assistant reply]`` (SFT samples)."""
-        return [list(prompt) + [{"role": "user", "content": c.user}, {"role": "assistant", "content": c.reply}]
-                for c in self.calls]
+        return [
+            list(prompt) + [{"role": "user", "content": c.user}, {"role": "assistant", "content": c.reply}]
+            for c in self.calls
+        ]
 
 
 def _chains(row: TaskRow):
@@ -99,7 +101,9 @@ def run_oracle(row: TaskRow, prompts: MemoryPrompts = MemoryPrompts()) -> Oracle
             if fact is not None and (fact.subject, fact.relation) in _needed(chains, memory):
                 memory.setdefault((fact.subject, fact.relation), fact)
         after = "\n".join(f.sentence for f in memory.values())
-        calls.append(OracleCall(prompts.memory_message(before, chunk, c, len(row.chunks)), after or prompts.empty_memory))
+        calls.append(
+            OracleCall(prompts.memory_message(before, chunk, c, len(row.chunks)), after or prompts.empty_memory)
+        )
     answers = _resolve(chains, memory)
     final_memory = "\n".join(f.sentence for f in memory.values())
     calls.append(OracleCall(prompts.answer_message(final_memory), format_answers(answers)))

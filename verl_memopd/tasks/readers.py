@@ -24,8 +24,10 @@ from typing import Any
 __all__ = ["ACCEPTED", "InputError", "Located", "read_located", "read_corpus", "file_stem"]
 
 #: What ``convert`` reads (printed in file errors).
-ACCEPTED = ("JSON lines, a JSON array of records or one JSON record, or parquet; "
-            "each may be gzip-compressed (the kind is read from the content, not the file name)")
+ACCEPTED = (
+    "JSON lines, a JSON array of records or one JSON record, or parquet; "
+    "each may be gzip-compressed (the kind is read from the content, not the file name)"
+)
 
 
 class InputError(ValueError):
@@ -48,7 +50,7 @@ def file_stem(path: str | Path) -> str:
     """``data/ruler.jsonl.gz`` -> ``ruler``."""
     name = Path(path).name
     for suffix in (".gz", ".jsonl", ".json", ".parquet"):
-        name = name[:-len(suffix)] if name.endswith(suffix) and len(name) > len(suffix) else name
+        name = name[: -len(suffix)] if name.endswith(suffix) and len(name) > len(suffix) else name
     return name
 
 
@@ -70,8 +72,10 @@ def read_located(path: str | Path) -> list[Located]:
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise InputError(f"{path}: not UTF-8 text (byte {e.start}: {data[e.start:e.start + 4]!r}) and not "
-                         f"parquet; accepted: {ACCEPTED}") from None
+        raise InputError(
+            f"{path}: not UTF-8 text (byte {e.start}: {data[e.start : e.start + 4]!r}) and not "
+            f"parquet; accepted: {ACCEPTED}"
+        ) from None
     return _json_text(text, path, name)
 
 
@@ -103,8 +107,10 @@ def _json_text(text: str, path: Path, name: str) -> list[Located]:
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     values = [(n, _json_line(line)) for n, line in lines]
     if not any(parsed and isinstance(value, dict) for _, (value, parsed) in values):
-        raise InputError(f"{path}: does not parse as JSON ({_position(whole_error)}) nor as JSON lines (no line is "
-                         f"a JSON object); accepted: {ACCEPTED}")
+        raise InputError(
+            f"{path}: does not parse as JSON ({_position(whole_error)}) nor as JSON lines (no line is "
+            f"a JSON object); accepted: {ACCEPTED}"
+        )
     return [Located(value, f"{name} line {n}", file_stem(path), i) for i, (n, (value, _)) in enumerate(values)]
 
 
@@ -140,5 +146,7 @@ def read_corpus(path: str | Path) -> tuple[str, ...]:
             return tuple(sorted({f"{t}\n{''.join(p)}" for v in values for t, p in v["context"]}))
         except (TypeError, ValueError):
             pass
-    raise InputError(f"{path}: not a corpus: expected SQuAD JSON (data/paragraphs/context), HotpotQA records "
-                     f"(context = [title, sentences] pairs) or a JSON array of document strings")
+    raise InputError(
+        f"{path}: not a corpus: expected SQuAD JSON (data/paragraphs/context), HotpotQA records "
+        f"(context = [title, sentences] pairs) or a JSON array of document strings"
+    )

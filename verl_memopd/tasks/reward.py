@@ -35,8 +35,19 @@ from typing import Any, Sequence
 
 from verl_memopd.tasks.prompts import parse_answers
 
-__all__ = ["ANSWER_MODES", "normalize_answer", "token_f1", "exact_match", "Score", "score_answers", "answer_recall",
-           "as_answer_sets", "as_answer_modes", "values_found", "compute_score"]
+__all__ = [
+    "ANSWER_MODES",
+    "normalize_answer",
+    "token_f1",
+    "exact_match",
+    "Score",
+    "score_answers",
+    "answer_recall",
+    "as_answer_sets",
+    "as_answer_modes",
+    "values_found",
+    "compute_score",
+]
 
 #: ``any``: the answers of a question are aliases (max over them); ``all``: values that must all be given.
 ANSWER_MODES = ("any", "all")
@@ -90,8 +101,10 @@ def as_answer_sets(ground_truth: Any, where: str) -> tuple[tuple[str, ...], ...]
     out = []
     for k, aliases in enumerate(ground_truth):
         if isinstance(aliases, (str, bytes)):
-            raise ValueError(f"{where}: question {k + 1}'s answers are the string {aliases!r}, not a list of aliases "
-                             "(ground_truth is one alias list per question: [[alias, ...], ...])")
+            raise ValueError(
+                f"{where}: question {k + 1}'s answers are the string {aliases!r}, not a list of aliases "
+                "(ground_truth is one alias list per question: [[alias, ...], ...])"
+            )
         if not hasattr(aliases, "__len__") or len(aliases) == 0:
             raise ValueError(f"{where}: question {k + 1} has no answers (got {aliases!r})")
         if any(not isinstance(a, str) or not a.strip() for a in aliases):
@@ -105,8 +118,9 @@ def as_answer_modes(modes: Any, k: int, where: str) -> tuple[str, ...]:
     if modes is None:
         return ("any",) * k
     if isinstance(modes, (str, bytes)) or not hasattr(modes, "__len__") or len(modes) != k:
-        raise ValueError(f"{where}: answer_modes must be a list of {k} modes {ANSWER_MODES} (one per question), "
-                         f"got {modes!r}")
+        raise ValueError(
+            f"{where}: answer_modes must be a list of {k} modes {ANSWER_MODES} (one per question), got {modes!r}"
+        )
     for q, mode in enumerate(modes, 1):
         if mode not in ANSWER_MODES:
             raise ValueError(f"{where}: answer mode of question {q} is {mode!r}; valid: {ANSWER_MODES}")
@@ -119,8 +133,9 @@ def values_found(text: str, values: Sequence[str]) -> float:
     return sum(f" {normalize_answer(v)} " in words for v in values) / len(values)
 
 
-def score_answers(predictions: Sequence[str], answer_sets: Sequence[Sequence[str]],
-                  modes: Sequence[str] | None = None) -> Score:
+def score_answers(
+    predictions: Sequence[str], answer_sets: Sequence[Sequence[str]], modes: Sequence[str] | None = None
+) -> Score:
     """Score K predictions against K answer sets (lengths must match) under K answer modes (default ``any``)."""
     if len(predictions) != len(answer_sets) or not answer_sets:
         raise ValueError(f"score_answers: {len(predictions)} predictions for {len(answer_sets)} questions")
@@ -149,19 +164,24 @@ def answer_recall(text: str, answer_sets: Sequence[Sequence[str]], modes: Sequen
         raise ValueError("answer_recall: no questions")
     modes = as_answer_modes(modes, len(answer_sets), "answer_recall")
     words = f" {normalize_answer(text)} "
-    held = [values_found(text, answers) if mode == "all" else
-            float(any(f" {normalize_answer(a)} " in words for a in answers))
-            for answers, mode in zip(answer_sets, modes)]
+    held = [
+        values_found(text, answers)
+        if mode == "all"
+        else float(any(f" {normalize_answer(a)} " in words for a in answers))
+        for answers, mode in zip(answer_sets, modes)
+    ]
     return sum(held) / len(answer_sets)
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None,
-                  **kwargs: Any) -> dict[str, float]:
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None, **kwargs: Any
+) -> dict[str, float]:
     """verl custom reward function: ``{"score": F1, "f1": F1, "em": EM}`` for one response
     (answer modes from ``extra_info.answer_modes`` when the row has them)."""
     where = f"row {extra_info.get('index', '?')} ({data_source})" if isinstance(extra_info, dict) else data_source
     answer_sets = as_answer_sets(ground_truth, where)
-    modes = as_answer_modes(extra_info.get("answer_modes") if isinstance(extra_info, dict) else None,
-                            len(answer_sets), where)
+    modes = as_answer_modes(
+        extra_info.get("answer_modes") if isinstance(extra_info, dict) else None, len(answer_sets), where
+    )
     s = score_answers(parse_answers(solution_str, len(answer_sets)), answer_sets, modes)
     return {"score": s.f1, "f1": s.f1, "em": s.em}

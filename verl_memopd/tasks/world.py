@@ -27,8 +27,18 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 __all__ = [
-    "Relation", "QuestionKind", "Vocabulary", "Fact", "World",
-    "RELATIONS", "QUESTION_KINDS", "VOCABULARIES", "get_vocabulary", "parse_fact", "parse_question", "looks_alike",
+    "Relation",
+    "QuestionKind",
+    "Vocabulary",
+    "Fact",
+    "World",
+    "RELATIONS",
+    "QUESTION_KINDS",
+    "VOCABULARIES",
+    "get_vocabulary",
+    "parse_fact",
+    "parse_question",
+    "looks_alike",
 ]
 
 
@@ -45,8 +55,9 @@ class Relation:
 
     def __post_init__(self) -> None:
         head, tail = self.template.split("{s}")[1].split("{o}")
-        object.__setattr__(self, "pattern", re.compile(
-            r"(?P<s>[A-Z][\w ]*?)" + re.escape(head) + r"(?P<o>[\w ]+?)" + re.escape(tail)))
+        object.__setattr__(
+            self, "pattern", re.compile(r"(?P<s>[A-Z][\w ]*?)" + re.escape(head) + r"(?P<o>[\w ]+?)" + re.escape(tail))
+        )
 
     def sentence(self, subject: str, obj: str) -> str:
         return self.template.format(s=subject, o=obj)
@@ -80,23 +91,27 @@ def _registry(items) -> dict:
     return out
 
 
-RELATIONS: dict[str, Relation] = _registry([
-    Relation("lives_in", "person", "city", "{s} lives in {o}."),
-    Relation("works_for", "person", "company", "{s} works for {o}."),
-    Relation("born_in", "person", "year", "{s} was born in {o}."),
-    Relation("based_in", "company", "city", "{s} is based in {o}."),
-    Relation("located_in", "city", "country", "{s} is located in {o}."),
-])
+RELATIONS: dict[str, Relation] = _registry(
+    [
+        Relation("lives_in", "person", "city", "{s} lives in {o}."),
+        Relation("works_for", "person", "company", "{s} works for {o}."),
+        Relation("born_in", "person", "year", "{s} was born in {o}."),
+        Relation("based_in", "company", "city", "{s} is based in {o}."),
+        Relation("located_in", "city", "country", "{s} is located in {o}."),
+    ]
+)
 
-QUESTION_KINDS: dict[str, QuestionKind] = _registry([
-    QuestionKind("home", ("lives_in",), "Where does {s} live?"),
-    QuestionKind("employer", ("works_for",), "Which company does {s} work for?"),
-    QuestionKind("birth_year", ("born_in",), "In which year was {s} born?"),
-    QuestionKind("company_city", ("based_in",), "In which city is {s} based?"),
-    QuestionKind("city_country", ("located_in",), "In which country is {s}?"),
-    QuestionKind("home_country", ("lives_in", "located_in"), "In which country does {s} live?"),
-    QuestionKind("employer_city", ("works_for", "based_in"), "In which city is the company of {s} based?"),
-])
+QUESTION_KINDS: dict[str, QuestionKind] = _registry(
+    [
+        QuestionKind("home", ("lives_in",), "Where does {s} live?"),
+        QuestionKind("employer", ("works_for",), "Which company does {s} work for?"),
+        QuestionKind("birth_year", ("born_in",), "In which year was {s} born?"),
+        QuestionKind("company_city", ("based_in",), "In which city is {s} based?"),
+        QuestionKind("city_country", ("located_in",), "In which country is {s}?"),
+        QuestionKind("home_country", ("lives_in", "located_in"), "In which country does {s} live?"),
+        QuestionKind("employer_city", ("works_for", "based_in"), "In which city is the company of {s} based?"),
+    ]
+)
 for _kind in QUESTION_KINDS.values():  # chains must compose: object type of hop i = subject type of hop i+1
     for _a, _b in zip(_kind.relations, _kind.relations[1:]):
         assert RELATIONS[_a].object_type == RELATIONS[_b].subject_type, _kind.name
@@ -130,14 +145,31 @@ _TINY_FIRST = ("Mara", "Tomas", "Ilse", "Bram", "Nia", "Hugo")
 _TINY_LAST = ("Tovin", "Kesh", "Amsel", "Vanter", "Orby", "Lund")
 _TINY_COMPANIES = {"Zentek": "Labs", "Zenva": "Works", "Brightmill": "Group", "Corla": "Labs", "Halden": "Group"}
 _TINY_FILLER = (
-    "The rain did not stop that day.", "Nobody said much at dinner.", "The road was long and quiet.",
-    "A dog barked in the yard.", "The old clock struck nine.", "Someone left the door open.",
-    "The market was busy as usual.", "Snow fell on the hills.",
+    "The rain did not stop that day.",
+    "Nobody said much at dinner.",
+    "The road was long and quiet.",
+    "A dog barked in the yard.",
+    "The old clock struck nine.",
+    "Someone left the door open.",
+    "The market was busy as usual.",
+    "Snow fell on the hills.",
 )
 _SYL = ("ka", "lo", "mi", "ra", "ven", "tor", "sa", "del", "nu", "bri", "zo", "fen", "mar", "ol", "ti", "an")
 _ADJ = ("quiet", "busy", "small", "old", "bright", "cold", "green", "narrow", "warm", "empty", "long", "wet")
-_NOUN = ("river", "market", "garden", "bridge", "train", "harbor", "library", "square", "tower", "field",
-         "bakery", "school")
+_NOUN = (
+    "river",
+    "market",
+    "garden",
+    "bridge",
+    "train",
+    "harbor",
+    "library",
+    "square",
+    "tower",
+    "field",
+    "bakery",
+    "school",
+)
 _VERB = ("looked", "seemed", "stayed", "grew", "felt", "turned")
 _TIME = ("that morning", "in the evening", "all week", "at noon", "after the storm", "during the fair")
 
@@ -160,7 +192,7 @@ def _tiny() -> Vocabulary:
     return Vocabulary(
         name="tiny",
         pools={
-            "person": tuple(f"{f} {l}" for f in _TINY_FIRST for l in _TINY_LAST),
+            "person": tuple(f"{f} {s}" for f in _TINY_FIRST for s in _TINY_LAST),
             "city": ("Velora", "Velmar", "Kesh Hill", "Kesh Vale", "Orin", "Orla"),
             "country": ("Drenmark", "Drovia", "Sarnia", "Sarland"),
             "company": companies,
@@ -183,7 +215,7 @@ def _full() -> Vocabulary:
     return Vocabulary(
         name="full",
         pools={
-            "person": tuple(f"{f} {l}" for f in first for l in last),
+            "person": tuple(f"{f} {s}" for f in first for s in last),
             "city": _syllable_names(60, 3, "city"),
             "country": tuple(n + "ia" for n in _syllable_names(24, 2, "country")),
             "company": companies,

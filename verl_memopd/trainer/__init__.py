@@ -1,12 +1,12 @@
 """verl wiring of MemOPD (the last stage): config, row layouts, engines, teacher worker group, trainer.
 
-    config.py    the recipe's ``memopd:`` tree as a validated dataclass
-    rows.py      each row's restored positions / segments / teacher mask, written to TransferQueue
-    calls.py     each call of a packed row as its own sequence (per_call layout)
-    engine.py    FSDP engines that execute the row layouts (actor, ref, critic, teacher)
-    teacher.py   the forward-only teacher worker group and its start-up checks
-    reward.py    the task reward with the clipped KL penalty r - beta*[l_old - l_ref]_+
-    loss.py      the actor loss installed on verl's actor (PPO + full-vocabulary OPD)
-    audit.py     in-training checks every N steps: RCE spot-check, aligned-vs-flat teacher KL
-    ppo.py       the ``memopd`` trainer registered with verl's trainer registry
+config.py    the recipe's ``memopd:`` tree as a validated dataclass
+rows.py      each row's restored positions / segments / teacher mask, written to TransferQueue
+calls.py     each call of a packed row as its own sequence (per_call layout)
+engine.py    FSDP engines that execute the row layouts (actor, ref, critic, teacher)
+teacher.py   the forward-only teacher worker group and its start-up checks
+reward.py    the task reward with the clipped KL penalty r - beta*[l_old - l_ref]_+
+loss.py      the actor loss installed on verl's actor (PPO + full-vocabulary OPD)
+audit.py     in-training checks every N steps: RCE spot-check, aligned-vs-flat teacher KL
+ppo.py       the ``memopd`` trainer registered with verl's trainer registry
 """

@@ -62,14 +62,26 @@ from verl_memopd.fields import (
 )
 from verl_memopd.trainer.config import AUDIT_ON_FAILURE
 
-__all__ = ["RCE_FLAG", "RCE_FIELD", "RCE_TOLERANCE_FIELD", "RECORD_FIELDS", "TEACHER_OUTPUT_KEY",
-           "TEACHER_HIDDEN_FLAT", "TEACHER_HIDDEN_ALIGNED", "RceAuditError", "record_fields", "put_rce_records",
-           "micro_batch_records", "engine_rce_fields", "rce_check", "rce_metrics", "stock_attention",
-           "teacher_layout_kl"]
+__all__ = [
+    "RCE_FLAG",
+    "RCE_FIELD",
+    "RCE_TOLERANCE_FIELD",
+    "RECORD_FIELDS",
+    "TEACHER_OUTPUT_KEY",
+    "TEACHER_HIDDEN_FLAT",
+    "TEACHER_HIDDEN_ALIGNED",
+    "RceAuditError",
+    "record_fields",
+    "put_rce_records",
+    "micro_batch_records",
+    "engine_rce_fields",
+    "rce_check",
+    "rce_metrics",
+    "stock_attention",
+    "teacher_layout_kl",
+]
 
 logger = logging.getLogger(__name__)
-
-
 
 
 def record_fields(extra_fields: Sequence[dict], tags: Sequence[dict], keys: Sequence[str]) -> list[dict]:
@@ -83,8 +95,10 @@ def record_fields(extra_fields: Sequence[dict], tags: Sequence[dict], keys: Sequ
         calls: list[CallRecord] = []
         if not tag.get("is_padding", False):
             if not hasattr(extra, "__contains__") or EPISODE not in extra:  # a dict, or another mapping
-                raise RceAuditError(f"row {key}: no {EPISODE!r} in extra_fields; the RCE check rebuilds each "
-                                    f"call from the memory agent's invocation records")
+                raise RceAuditError(
+                    f"row {key}: no {EPISODE!r} in extra_fields; the RCE check rebuilds each "
+                    f"call from the memory agent's invocation records"
+                )
             try:
                 calls = records_of_episode(extra[EPISODE]["invocations"])
             except (KeyError, TypeError, ValueError) as e:
@@ -108,33 +122,49 @@ def micro_batch_records(micro_batch) -> list[list[CallRecord]]:
     """Per row of a verl micro-batch, its recorded calls (:data:`RECORD_FIELDS`, jagged)."""
     missing = [f for f in RECORD_FIELDS.values() if f not in micro_batch.keys()]
     if missing:
-        raise RceAuditError(f"RCE check: the micro-batch has no {missing}; the trainer writes them on audit steps "
-                            f"(verl_memopd.trainer.audit.put_rce_records) from the agent's invocation records")
+        raise RceAuditError(
+            f"RCE check: the micro-batch has no {missing}; the trainer writes them on audit steps "
+            f"(verl_memopd.trainer.audit.put_rce_records) from the agent's invocation records"
+        )
     ids, action, lengths = (micro_batch[RECORD_FIELDS[k]].unbind() for k in ("ids", "action", "lengths"))
     return [decode_records(i, a, n) for i, a, n in zip(ids, action, lengths)]
 
 
-def engine_rce_fields(module: torch.nn.Module, logits: torch.Tensor, micro_batch, use_rmpad: bool,
-                      chunk: int = 256) -> dict[str, torch.Tensor]:
+def engine_rce_fields(
+    module: torch.nn.Module, logits: torch.Tensor, micro_batch, use_rmpad: bool, chunk: int = 256
+) -> dict[str, torch.Tensor]:
     """The RCE check of one actor micro-batch (``MemopdLMEngine``): packed ``logits`` (1, N, V) stream or
     (B, L, V) padded, read in place; ``module`` the engine's model (FSDP-wrapped or not). Returns per row
     each call's figures (B, n_calls*, 5) and bounds (B, n_calls*), jagged."""
     ids = micro_batch["input_ids"].unbind()
     lengths = micro_batch["input_ids"].offsets().diff().to(logits.device)
-    row_start = (torch.cumsum(lengths, 0) - lengths) if use_rmpad else \
-        torch.arange(lengths.numel(), device=logits.device) * logits.shape[1]
+    row_start = (
+        (torch.cumsum(lengths, 0) - lengths)
+        if use_rmpad
+        else torch.arange(lengths.numel(), device=logits.device) * logits.shape[1]
+    )
     hf_model = getattr(module, "_fsdp_wrapped_module", module)  # FSDP1 wraps; FSDP2 does not
-    stats, bounds, problems = rce_spot_check(module, hf_model, logits.flatten(0, 1), row_start, ids,
-                                             micro_batch["response_mask"].unbind(), micro_batch_records(micro_batch),
-                                             chunk)
+    stats, bounds, problems = rce_spot_check(
+        module,
+        hf_model,
+        logits.flatten(0, 1),
+        row_start,
+        ids,
+        micro_batch["response_mask"].unbind(),
+        micro_batch_records(micro_batch),
+        chunk,
+    )
     for problem in problems[:5]:
         logger.warning("RCE check: %s", problem)
-    return {RCE_FIELD: torch.nested.as_nested_tensor(stats, layout=torch.jagged),
-            RCE_TOLERANCE_FIELD: torch.nested.as_nested_tensor(bounds, layout=torch.jagged)}
+    return {
+        RCE_FIELD: torch.nested.as_nested_tensor(stats, layout=torch.jagged),
+        RCE_TOLERANCE_FIELD: torch.nested.as_nested_tensor(bounds, layout=torch.jagged),
+    }
 
 
-def rce_check(stats: Sequence[torch.Tensor], bounds: Sequence[torch.Tensor], row_names: Sequence[str],
-              on_failure: str) -> dict[str, float]:
+def rce_check(
+    stats: Sequence[torch.Tensor], bounds: Sequence[torch.Tensor], row_names: Sequence[str], on_failure: str
+) -> dict[str, float]:
     """The check's verdict over a step: per row, each call's figures (n_calls, 5) against its bound (n_calls,).
     Returns ``memopd/audit/rce_failed_calls``, ``rce_pass`` (1.0 / 0.0) and ``rce_max_diff_over_tolerance``
     (how close the worst call came to failing; > 1 fails); on a failure raises
@@ -142,21 +172,31 @@ def rce_check(stats: Sequence[torch.Tensor], bounds: Sequence[torch.Tensor], row
     if on_failure not in AUDIT_ON_FAILURE:
         raise ValueError(f"on_failure={on_failure!r}: expected one of {AUDIT_ON_FAILURE}")
     audited = [s.reshape(-1, len(STAT_COLUMNS))[:, 0] for s in stats]
-    failures = [(float(d[t]), float(tol[t]), name, t) for d, tol, name in zip(audited, bounds, row_names)
-                for t in range(d.numel()) if d[t] > tol[t] or not torch.isfinite(d[t])]
+    failures = [
+        (float(d[t]), float(tol[t]), name, t)
+        for d, tol, name in zip(audited, bounds, row_names)
+        for t in range(d.numel())
+        if d[t] > tol[t] or not torch.isfinite(d[t])
+    ]
     if failures:
         failures.sort(key=lambda f: -f[0] / max(f[1], 1e-30))
-        worst = "; ".join(f"row {name} call {t}: difference {d:.3e} > bound {tol:.3e}"
-                          for d, tol, name, t in failures[:5])
-        message = (f"RCE check failed on {len(failures)} call(s) (packed forward vs each call run alone from its "
-                   f"invocation record under stock attention, at action tokens; inf = the packed row's action "
-                   f"tokens do not match the record): {worst}")
+        worst = "; ".join(
+            f"row {name} call {t}: difference {d:.3e} > bound {tol:.3e}" for d, tol, name, t in failures[:5]
+        )
+        message = (
+            f"RCE check failed on {len(failures)} call(s) (packed forward vs each call run alone from its "
+            f"invocation record under stock attention, at action tokens; inf = the packed row's action "
+            f"tokens do not match the record): {worst}"
+        )
         if on_failure == "raise":
             raise RceAuditError(message + " (memopd.audit.on_failure=warn to log and continue)")
         logger.warning(message)
     summary = summarize(stats, bounds)
-    return {"memopd/audit/rce_failed_calls": float(len(failures)), "memopd/audit/rce_pass": float(not failures),
-            "memopd/audit/rce_max_diff_over_tolerance": summary.worst_ratio if summary.calls else 0.0}
+    return {
+        "memopd/audit/rce_failed_calls": float(len(failures)),
+        "memopd/audit/rce_pass": float(not failures),
+        "memopd/audit/rce_max_diff_over_tolerance": summary.worst_ratio if summary.calls else 0.0,
+    }
 
 
 def rce_metrics(stats: Sequence[torch.Tensor]) -> dict[str, float]:
@@ -166,9 +206,13 @@ def rce_metrics(stats: Sequence[torch.Tensor]) -> dict[str, float]:
     s = torch.cat([x.reshape(-1, len(STAT_COLUMNS)).float() for x in stats]) if stats else torch.zeros(0, 5)
     if s.shape[0] == 0:
         return {}
-    out = {"memopd/audit/rce_max_abs_diff": float(s[:, 1].max()),
-           "memopd/audit/rce_mean_abs_diff": float(s[:, 1].mean()), "memopd/audit/rce_calls_checked": float(s.shape[0]), "memopd/audit/rce_max_kl": float(s[:, 3].max()),
-           "memopd/audit/rce_min_top1_agreement": float(s[:, 4].min())}
+    out = {
+        "memopd/audit/rce_max_abs_diff": float(s[:, 1].max()),
+        "memopd/audit/rce_mean_abs_diff": float(s[:, 1].mean()),
+        "memopd/audit/rce_calls_checked": float(s.shape[0]),
+        "memopd/audit/rce_max_kl": float(s[:, 3].max()),
+        "memopd/audit/rce_min_top1_agreement": float(s[:, 4].min()),
+    }
     if not torch.isnan(s[:, 2]).all():
         out["memopd/audit/rce_noise_floor"] = float(torch.nan_to_num(s[:, 2], nan=0.0).max())
     return out
@@ -180,11 +224,13 @@ def teacher_layout_kl(head: torch.Tensor, aligned: torch.Tensor, flat: torch.Ten
     layouts, both (A, H), and its output head (V_rows, H); exact over the vocabulary, ``chunk``
     tokens at a time. Returns (A,) float32."""
     if aligned.shape != flat.shape:
-        raise ValueError(f"teacher_layout_kl: aligned {tuple(aligned.shape)} and flat {tuple(flat.shape)} "
-                         f"hidden states differ (both layouts must score the same tokens)")
+        raise ValueError(
+            f"teacher_layout_kl: aligned {tuple(aligned.shape)} and flat {tuple(flat.shape)} "
+            f"hidden states differ (both layouts must score the same tokens)"
+        )
     out, w = [], head.float().T
     for i in range(0, aligned.shape[0], chunk):
-        la = F.log_softmax(aligned[i:i + chunk].float() @ w, dim=-1)
-        lf = F.log_softmax(flat[i:i + chunk].float() @ w, dim=-1)
+        la = F.log_softmax(aligned[i : i + chunk].float() @ w, dim=-1)
+        lf = F.log_softmax(flat[i : i + chunk].float() @ w, dim=-1)
         out.append((la.exp() * (la - lf)).sum(-1))
     return torch.cat(out) if out else aligned.new_zeros(0, dtype=torch.float32)

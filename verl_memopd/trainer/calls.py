@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from verl_memopd.fields import CALLS_ALONE, SEGMENTS
+from verl_memopd.fields import SEGMENTS
 from verl_memopd.segments import segment_meta
 
 Span = tuple[torch.Tensor, int, int]
 
 
-def calls_alone(input_ids: list[torch.Tensor], position_ids: list[torch.Tensor],
-                segment_ids: list[torch.Tensor]) -> tuple[dict, list[list[Span]], torch.Tensor]:
+def calls_alone(
+    input_ids: list[torch.Tensor], position_ids: list[torch.Tensor], segment_ids: list[torch.Tensor]
+) -> tuple[dict, list[list[Span]], torch.Tensor]:
     """All calls of the rows as standalone sequences, concatenated into one stream of N' tokens.
 
     Args (one entry per row b, each (L_b,)): the packed row's tokens, restored positions and
@@ -62,6 +63,9 @@ def calls_alone(input_ids: list[torch.Tensor], position_ids: list[torch.Tensor],
     stream_pos = torch.cat(pos)
     row_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     meta = segment_meta(torch.zeros_like(stream_pos), row_ids.to(stream_pos.device), stream_pos)
-    inputs = {"input_ids": torch.cat(ids).unsqueeze(0), "position_ids": stream_pos.unsqueeze(0),
-              SEGMENTS: meta.to(stream_pos.device)}
+    inputs = {
+        "input_ids": torch.cat(ids).unsqueeze(0),
+        "position_ids": stream_pos.unsqueeze(0),
+        SEGMENTS: meta.to(stream_pos.device),
+    }
     return inputs, spans, torch.cat(index)

@@ -144,42 +144,54 @@ class MemopdConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.share_prefix_across_group, bool):
-            raise MemopdConfigError(f"memopd.share_prefix_across_group={self.share_prefix_across_group!r}: expected "
-                                    f"true or false")
+            raise MemopdConfigError(
+                f"memopd.share_prefix_across_group={self.share_prefix_across_group!r}: expected true or false"
+            )
         if self.layout not in TRAINER_LAYOUTS:
             raise MemopdConfigError(f"memopd.layout={self.layout!r}: expected one of {TRAINER_LAYOUTS}")
         if self.teacher.placement not in TEACHER_PLACEMENTS:
-            raise MemopdConfigError(f"memopd.teacher.placement={self.teacher.placement!r}: expected one of "
-                                    f"{TEACHER_PLACEMENTS}")
+            raise MemopdConfigError(
+                f"memopd.teacher.placement={self.teacher.placement!r}: expected one of {TEACHER_PLACEMENTS}"
+            )
         if self.teacher.placement == "separate" and min(self.teacher.n_gpus_per_node, self.teacher.nnodes) < 1:
-            raise MemopdConfigError(f"memopd.teacher: placement=separate needs n_gpus_per_node >= 1 and nnodes >= 1, "
-                                    f"got {self.teacher.n_gpus_per_node} x {self.teacher.nnodes}; or placement=colocate")
+            raise MemopdConfigError(
+                f"memopd.teacher: placement=separate needs n_gpus_per_node >= 1 and nnodes >= 1, "
+                f"got {self.teacher.n_gpus_per_node} x {self.teacher.nnodes}; or placement=colocate"
+            )
         if self.teacher.placement == "colocate" and (self.teacher.n_gpus_per_node, self.teacher.nnodes) != (1, 1):
-            raise MemopdConfigError(f"memopd.teacher: n_gpus_per_node={self.teacher.n_gpus_per_node}, nnodes="
-                                    f"{self.teacher.nnodes} size a separate teacher pool; placement=colocate runs the "
-                                    f"teacher on the actor's GPUs (leave them at 1 x 1, or placement=separate)")
+            raise MemopdConfigError(
+                f"memopd.teacher: n_gpus_per_node={self.teacher.n_gpus_per_node}, nnodes="
+                f"{self.teacher.nnodes} size a separate teacher pool; placement=colocate runs the "
+                f"teacher on the actor's GPUs (leave them at 1 x 1, or placement=separate)"
+            )
         self._check_teacher_state()
         self._check_transport()
         if self.distill.teacher_mask not in TEACHER_MASK_POLICIES:
-            raise MemopdConfigError(f"memopd.distill.teacher_mask={self.distill.teacher_mask!r}: expected one of "
-                                    f"{TEACHER_MASK_POLICIES}")
+            raise MemopdConfigError(
+                f"memopd.distill.teacher_mask={self.distill.teacher_mask!r}: expected one of {TEACHER_MASK_POLICIES}"
+            )
         for name in ("entropy_coef", "kl_penalty_coef", "ppo_coef"):
             if getattr(self, name) < 0:
                 raise MemopdConfigError(f"memopd.{name}={getattr(self, name)} must be >= 0")
         if self.ppo_coef == 0 and self.distill.coef == 0:
-            raise MemopdConfigError("memopd.ppo_coef=0 and memopd.distill.coef=0: the actor loss would be empty "
-                                    "(nothing trains); keep one of them > 0")
+            raise MemopdConfigError(
+                "memopd.ppo_coef=0 and memopd.distill.coef=0: the actor loss would be empty "
+                "(nothing trains); keep one of them > 0"
+            )
         if self.audit.every_n_steps < 0:
             raise MemopdConfigError(f"memopd.audit.every_n_steps={self.audit.every_n_steps} must be >= 0 (0 = off)")
         if self.distill.coef < 0:
             raise MemopdConfigError(f"memopd.distill.coef={self.distill.coef} must be >= 0")
         if self.distill.top_mass_tokens < 0:
-            raise MemopdConfigError(f"memopd.distill.top_mass_tokens={self.distill.top_mass_tokens} must be >= 0 "
-                                    f"(0 = no top-mass metrics)")
+            raise MemopdConfigError(
+                f"memopd.distill.top_mass_tokens={self.distill.top_mass_tokens} must be >= 0 (0 = no top-mass metrics)"
+            )
         if self.distill.coef > 0:
             if not self.teacher.path:
-                raise MemopdConfigError("memopd.teacher.path is not set but memopd.distill.coef > 0: set the teacher "
-                                        "model folder, or memopd.distill.coef=0 for PPO only")
+                raise MemopdConfigError(
+                    "memopd.teacher.path is not set but memopd.distill.coef > 0: set the teacher "
+                    "model folder, or memopd.distill.coef=0 for PPO only"
+                )
             if not (Path(self.teacher.path).expanduser() / "config.json").is_file():
                 raise MemopdConfigError(f"memopd.teacher.path={self.teacher.path}: no model there (no config.json)")
             from verl_memopd.losses.divergences import get_divergence
@@ -192,18 +204,24 @@ class MemopdConfig:
         if state not in TEACHER_STATES:
             raise MemopdConfigError(f"memopd.teacher.state={state!r}: expected one of {TEACHER_STATES}")
         if state == "flat" and self.distill.coef == 0:
-            raise MemopdConfigError("memopd.teacher.state=flat with memopd.distill.coef=0: there is no teacher to "
-                                    "score the flat history (PPO only); drop the state or set coef > 0")
+            raise MemopdConfigError(
+                "memopd.teacher.state=flat with memopd.distill.coef=0: there is no teacher to "
+                "score the flat history (PPO only); drop the state or set coef > 0"
+            )
         if state == "flat" and self.layout == "flat":
-            raise MemopdConfigError("memopd.teacher.state=flat with memopd.layout=flat: the flat layout already "
-                                    "flattens every forward; for the matched control (the teacher alone scores the "
-                                    "persistent history) keep memopd.layout=packed")
+            raise MemopdConfigError(
+                "memopd.teacher.state=flat with memopd.layout=flat: the flat layout already "
+                "flattens every forward; for the matched control (the teacher alone scores the "
+                "persistent history) keep memopd.layout=packed"
+            )
 
     def _check_transport(self) -> None:
         topk = self.distill.topk
         if topk is not None and self.distill.transport != "topk":
-            raise MemopdConfigError(f"memopd.distill.topk={topk} is read by transport=topk only; "
-                                    f"transport={self.distill.transport!r} ships the exact distribution")
+            raise MemopdConfigError(
+                f"memopd.distill.topk={topk} is read by transport=topk only; "
+                f"transport={self.distill.transport!r} ships the exact distribution"
+            )
         if topk is not None and topk < 1:
             raise MemopdConfigError(f"memopd.distill.topk={topk} must be >= 1 (or null for 128)")
 
@@ -211,8 +229,10 @@ class MemopdConfig:
         """Keyword options of ``supervision.get_transport(distill.transport, ...)`` on the teacher side."""
         if self.distill.transport != "topk":
             return {}
-        return {"token_chunk_size": self.distill.token_chunk_size,
-                **({"k": self.distill.topk} if self.distill.topk is not None else {})}
+        return {
+            "token_chunk_size": self.distill.token_chunk_size,
+            **({"k": self.distill.topk} if self.distill.topk is not None else {}),
+        }
 
     @property
     def teacher_layout(self) -> str:
@@ -242,7 +262,11 @@ def _build(cls, node: Any, where: str):
         raise MemopdConfigError(f"{where}: unknown key(s) {unknown}; valid keys: {sorted(known)}")
     kwargs = {}
     for name, value in data.items():
-        sub = {"teacher": TeacherConfig, "distill": DistillConfig, "audit": AuditConfig}.get(name) if cls is MemopdConfig else None
+        sub = (
+            {"teacher": TeacherConfig, "distill": DistillConfig, "audit": AuditConfig}.get(name)
+            if cls is MemopdConfig
+            else None
+        )
         kwargs[name] = _build(sub, value, f"{where}.{name}") if sub else value
     return cls(**kwargs)
 
@@ -254,7 +278,8 @@ def from_config(config: DictConfig) -> MemopdConfig:
         raise MemopdConfigError(
             f"`+recipe={recipe}` became the plain string key `recipe: {recipe}`: Hydra did not find "
             f"recipe/{recipe}.yaml. Is verl-memopd installed in this environment (pip show verl-memopd), "
-            f"with its Hydra plugin (hydra_plugins/verl_memopd)?")
+            f"with its Hydra plugin (hydra_plugins/verl_memopd)?"
+        )
     node = config.get("memopd")
     if node is None:
         raise MemopdConfigError("trainer.v1.trainer_mode=memopd needs the memopd: tree; add +recipe=memopd")
@@ -263,15 +288,19 @@ def from_config(config: DictConfig) -> MemopdConfig:
     _check_data_needs(config)
     actor = (config.get("actor_rollout_ref") or {}).get("actor") or {}
     if actor.get("use_prefix_grouper", False):
-        raise MemopdConfigError("actor_rollout_ref.actor.use_prefix_grouper=true: verl's PrefixGrouper shares a prompt "
-                                "across the n samples of a group in its legacy trainer only (the V1 engines that "
-                                "MemOPD runs on never read the key), and its position ids / attention would replace "
-                                "MemOPD's packed call blocks; set it to false (packing already stores q once per episode)")
+        raise MemopdConfigError(
+            "actor_rollout_ref.actor.use_prefix_grouper=true: verl's PrefixGrouper shares a prompt "
+            "across the n samples of a group in its legacy trainer only (the V1 engines that "
+            "MemOPD runs on never read the key), and its position ids / attention would replace "
+            "MemOPD's packed call blocks; set it to false (packing already stores q once per episode)"
+        )
     algorithm = config.get("algorithm") or {}
     if memopd.uses_reference and algorithm.get("use_kl_in_reward", False):
-        raise MemopdConfigError("algorithm.use_kl_in_reward=true and memopd.kl_penalty_coef > 0 would penalise the "
-                                "reward twice: MemOPD applies its clipped penalty itself; set "
-                                "algorithm.use_kl_in_reward=false (or memopd.kl_penalty_coef=0 for verl's own)")
+        raise MemopdConfigError(
+            "algorithm.use_kl_in_reward=true and memopd.kl_penalty_coef > 0 would penalise the "
+            "reward twice: MemOPD applies its clipped penalty itself; set "
+            "algorithm.use_kl_in_reward=false (or memopd.kl_penalty_coef=0 for verl's own)"
+        )
     return memopd
 
 
@@ -296,9 +325,14 @@ def _check_data_needs(config: DictConfig) -> None:
     rollout = (config.get("actor_rollout_ref") or {}).get("rollout") or {}
     node = (config.get("memopd") or {}).get("agent") or {}
     agent = MemoryAgentConfig.from_mapping(node)
-    problems = check_lengths({key: data.get(key) for key in ("train_files", "val_files")},
-                             rollout.get("prompt_length"), rollout.get("response_length"), agent.memory_tokens,
-                             agent.answer_tokens, default_call_prompts=not dict(node).get("prompts"))
+    problems = check_lengths(
+        {key: data.get(key) for key in ("train_files", "val_files")},
+        rollout.get("prompt_length"),
+        rollout.get("response_length"),
+        agent.memory_tokens,
+        agent.answer_tokens,
+        default_call_prompts=not dict(node).get("prompts"),
+    )
     if problems:
         raise MemopdConfigError("; ".join(problems))
 

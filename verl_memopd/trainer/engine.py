@@ -98,8 +98,10 @@ def _shared_prefix_stream(micro_batch):
 def micro_batch_segments(micro_batch, use_remove_padding: bool) -> SegmentMeta:
     """Attention metadata of a verl NO_PADDING micro-batch (jagged rows) for either forward path."""
     if SEGMENT_IDS not in micro_batch.keys():
-        raise PackedAttentionError(f"micro-batch has no {SEGMENT_IDS}: memopd engines run under the memopd trainer "
-                                   f"(trainer.v1.trainer_mode=memopd), which restores every row's layout")
+        raise PackedAttentionError(
+            f"micro-batch has no {SEGMENT_IDS}: memopd engines run under the memopd trainer "
+            f"(trainer.v1.trainer_mode=memopd), which restores every row's layout"
+        )
     seg, pos = micro_batch[SEGMENT_IDS], micro_batch["position_ids"]
     lengths = seg.offsets().diff()
     if use_remove_padding:
@@ -108,8 +110,9 @@ def micro_batch_segments(micro_batch, use_remove_padding: bool) -> SegmentMeta:
     width = int(lengths.max())
     shape = (lengths.numel(), width)
     mask = torch.arange(width, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
-    return padded_batch_segments(torch.nested.to_padded_tensor(seg, 0, shape), mask.long(),
-                                 torch.nested.to_padded_tensor(pos, 0, shape))
+    return padded_batch_segments(
+        torch.nested.to_padded_tensor(seg, 0, shape), mask.long(), torch.nested.to_padded_tensor(pos, 0, shape)
+    )
 
 
 class _PackedRows:
@@ -128,8 +131,10 @@ class _PackedRows:
     def initialize(self):
         super().initialize()
         if self.use_ulysses_sp:
-            raise PackedAttentionError("memopd engines do not support Ulysses sequence parallelism yet "
-                                       "(ulysses_sequence_parallel_size must be 1)")
+            raise PackedAttentionError(
+                "memopd engines do not support Ulysses sequence parallelism yet "
+                "(ulysses_sequence_parallel_size must be 1)"
+            )
         require_packed_attention(self.module)  # never let call blocks see each other
 
     def prepare_model_inputs(self, micro_batch):
@@ -192,8 +197,10 @@ def final_norm(model: torch.nn.Module) -> torch.nn.Module:
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
     norm = getattr(decoder, "norm", None)
     if not isinstance(norm, torch.nn.Module):
-        raise PackedAttentionError(f"teacher: no final norm found on {type(model).__name__} (expected "
-                                   f"model.get_decoder().norm, as in Qwen2/Llama)")
+        raise PackedAttentionError(
+            f"teacher: no final norm found on {type(model).__name__} (expected "
+            f"model.get_decoder().norm, as in Qwen2/Llama)"
+        )
     return norm
 
 
@@ -285,8 +292,9 @@ class MemopdTeacherEngine(_PackedRows, FSDPEngineWithLMHead):
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
         if len(self._final_norm_output) != 1:
-            raise PackedAttentionError(f"teacher: expected one output of the final norm per forward, caught "
-                                       f"{len(self._final_norm_output)}")
+            raise PackedAttentionError(
+                f"teacher: expected one output of the final norm per forward, caught {len(self._final_norm_output)}"
+            )
         final = self.packed_tensor(self._final_norm_output.pop(), output_args)  # (1, N, H) or (B, L, H)
         use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
         key = tu.get_non_tensor_data(data=micro_batch, key=TEACHER_OUTPUT_KEY, default=None)

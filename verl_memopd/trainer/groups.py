@@ -54,8 +54,9 @@ def _owners(input_ids: list[torch.Tensor], segment_ids: list[torch.Tensor], grou
     return owner
 
 
-def share_prefix(input_ids: list[torch.Tensor], position_ids: list[torch.Tensor], segment_ids: list[torch.Tensor],
-                 groups: list[int]) -> Optional[tuple[dict, torch.Tensor]]:
+def share_prefix(
+    input_ids: list[torch.Tensor], position_ids: list[torch.Tensor], segment_ids: list[torch.Tensor], groups: list[int]
+) -> Optional[tuple[dict, torch.Tensor]]:
     """Lay out a micro-batch's packed rows with each prompt group's q stored once.
 
     Args (one entry per row b): the packed row's tokens, restored positions, segment ids, each
@@ -70,7 +71,9 @@ def share_prefix(input_ids: list[torch.Tensor], position_ids: list[torch.Tensor]
     owner = _owners(input_ids, segment_ids, groups)
     if owner == list(range(len(input_ids))):
         return None
-    members = {b: [m for m in range(len(owner)) if owner[m] == b and m != b] for b in range(len(owner)) if owner[b] == b}
+    members = {
+        b: [m for m in range(len(owner)) if owner[m] == b and m != b] for b in range(len(owner)) if owner[b] == b
+    }
     starts = torch.tensor([0] + [t.numel() for t in input_ids]).cumsum(0).tolist()
     device = input_ids[0].device
     index = torch.empty(starts[-1], dtype=torch.long, device=device)
@@ -84,7 +87,7 @@ def share_prefix(input_ids: list[torch.Tensor], position_ids: list[torch.Tensor]
             keep = slice(0, None) if r == b else slice(p, None)
             n = input_ids[r][keep].numel()
             here = offset + torch.arange(n, device=device)
-            index[starts[r]: starts[r + 1]] = here if r == b else torch.cat([q_stream, here])
+            index[starts[r] : starts[r + 1]] = here if r == b else torch.cat([q_stream, here])
             row_seg = segment_ids[r][keep]
             ids.append(input_ids[r][keep])
             pos.append(position_ids[r][keep])
@@ -94,6 +97,9 @@ def share_prefix(input_ids: list[torch.Tensor], position_ids: list[torch.Tensor]
             offset += n
     stream_pos = torch.cat(pos)
     meta = segment_meta(torch.cat(seg), torch.cat(tree), stream_pos)  # checks q 0..P-1, blocks from P
-    inputs = {"input_ids": torch.cat(ids).unsqueeze(0), "position_ids": stream_pos.unsqueeze(0),
-              SEGMENTS: meta.to(device)}
+    inputs = {
+        "input_ids": torch.cat(ids).unsqueeze(0),
+        "position_ids": stream_pos.unsqueeze(0),
+        SEGMENTS: meta.to(device),
+    }
     return inputs, index

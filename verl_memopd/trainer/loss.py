@@ -57,8 +57,15 @@ class MemopdActorLoss:
             model_output = {**model_output, STUDENT_LOGITS_STREAM: logits_stream}
         if self.opd_config.coef > 0 and self.opd_config.transport == "hidden":
             model_output = {**model_output, TEACHER_HEAD: self.teacher_head(data["responses"].device)}
-        loss, metrics = memopd_actor_loss(self.actor_config, self.opd_config, model_output, data, dp_group=dp_group,
-                                          ppo_coef=self.ppo_coef, grad_norms=audit_step)
+        loss, metrics = memopd_actor_loss(
+            self.actor_config,
+            self.opd_config,
+            model_output,
+            data,
+            dp_group=dp_group,
+            ppo_coef=self.ppo_coef,
+            grad_norms=audit_step,
+        )
         if audit_step:
             metrics.update(self.teacher_layout_metric(data))
         return loss, metrics
@@ -72,5 +79,7 @@ class MemopdActorLoss:
         else:
             aligned, flat = data[TEACHER_HIDDEN].values(), data[TEACHER_HIDDEN_FLAT].values()
         kl = teacher_layout_kl(self.teacher_head(aligned.device), aligned, flat, self.opd_config.token_chunk_size)
-        weight = tu.get_non_tensor_data(data, "dp_size", 1) / max(tu.get_non_tensor_data(data, TEACHER_NUM_TOKENS, 1), 1)
+        weight = tu.get_non_tensor_data(data, "dp_size", 1) / max(
+            tu.get_non_tensor_data(data, TEACHER_NUM_TOKENS, 1), 1
+        )
         return {"memopd/audit/teacher_aligned_vs_flat_kl": Metric(AggregationType.SUM, kl.sum() * weight)}

@@ -119,27 +119,38 @@ class MemopdTrainer(PPOTrainerSync):
         self.node_watchdog.start()
         actor_config = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
         distill = self.memopd.distill
-        opd = OPDLossConfig(vocab_size=self.vocab_size or 1, coef=distill.coef, divergence=distill.divergence,
-                            transport=distill.transport, token_clamp=distill.token_clamp,
-                            token_chunk_size=distill.token_chunk_size, top_tokens=distill.top_mass_tokens)
-        self.actor_rollout_wg.set_loss_fn(MemopdActorLoss(actor_config, opd, self.memopd.teacher.path,
-                                                          ppo_coef=self.memopd.ppo_coef))
+        opd = OPDLossConfig(
+            vocab_size=self.vocab_size or 1,
+            coef=distill.coef,
+            divergence=distill.divergence,
+            transport=distill.transport,
+            token_clamp=distill.token_clamp,
+            token_chunk_size=distill.token_chunk_size,
+            top_tokens=distill.top_mass_tokens,
+        )
+        self.actor_rollout_wg.set_loss_fn(
+            MemopdActorLoss(actor_config, opd, self.memopd.teacher.path, ppo_coef=self.memopd.ppo_coef)
+        )
         if self._teacher_colocated:
             # the teacher lives in the actor's fused Ray actors (added to its pool's classes below);
             # spawn gives it its own worker group view with verl's method names
             self.teacher_wg = self.actor_rollout_wg.spawn(prefix_set={TEACHER_ROLE})[TEACHER_ROLE]
         elif self.memopd.uses_teacher:
             pool = self.resource_pool_manager.get_resource_pool(TEACHER_ROLE)
-            self.teacher_wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=self._teacher_class(),
-                                             device_name=self.config.trainer.device)
+            self.teacher_wg = RayWorkerGroup(
+                resource_pool=pool, ray_cls_with_init=self._teacher_class(), device_name=self.config.trainer.device
+            )
         if self.teacher_wg is not None:
             self.teacher_wg.reset()
-            print(f"[verl-memopd] teacher worker group initialized ({self.memopd.teacher.placement}, "
-                  f"{self.teacher_wg.world_size} workers)")  # console, like verl's own start-up lines
+            print(
+                f"[verl-memopd] teacher worker group initialized ({self.memopd.teacher.placement}, "
+                f"{self.teacher_wg.world_size} workers)"
+            )  # console, like verl's own start-up lines
 
     def _teacher_class(self) -> RayClassWithInitArgs:
-        return RayClassWithInitArgs(cls=ray.remote(MemopdTeacherWorker),
-                                    config=teacher_worker_config(self.config, self.memopd))
+        return RayClassWithInitArgs(
+            cls=ray.remote(MemopdTeacherWorker), config=teacher_worker_config(self.config, self.memopd)
+        )
 
     @property
     def _teacher_colocated(self) -> bool:
@@ -178,8 +189,9 @@ class MemopdTrainer(PPOTrainerSync):
         if rce:
             meta.extra_info.pop(RCE_FLAG, None)  # not for the reference / critic forwards
             batch.extra_info.pop(RCE_FLAG, None)
-            rows = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
-                                   select_fields=[RCE_FIELD, RCE_TOLERANCE_FIELD])
+            rows = tq.kv_batch_get(
+                keys=batch.keys, partition_id=batch.partition_id, select_fields=[RCE_FIELD, RCE_TOLERANCE_FIELD]
+            )
             diffs, tolerances = rows[RCE_FIELD].unbind(), rows[RCE_TOLERANCE_FIELD].unbind()
             metrics.update(rce_metrics(diffs))
             metrics.update(rce_check(diffs, tolerances, [str(k) for k in batch.keys], self.memopd.audit.on_failure))
@@ -221,11 +233,17 @@ class MemopdTrainer(PPOTrainerSync):
     def _score_with_teacher(self, batch, output_key=None):
         """The teacher worker group scores the rows' current layout into TransferQueue: the transport's
         payload, or (``output_key``) its hidden states under that field."""
-        batch.extra_info.update({"compute_loss": False,
-                                 "temperature": self.config.actor_rollout_ref.rollout.temperature,
-                                 TEACHER_TRANSPORT: {"name": self.memopd.distill.transport,
-                                                     "vocab_size": self.vocab_size,
-                                                     **self.memopd.transport_options()}})
+        batch.extra_info.update(
+            {
+                "compute_loss": False,
+                "temperature": self.config.actor_rollout_ref.rollout.temperature,
+                TEACHER_TRANSPORT: {
+                    "name": self.memopd.distill.transport,
+                    "vocab_size": self.vocab_size,
+                    **self.memopd.transport_options(),
+                },
+            }
+        )
         if output_key is not None:
             batch.extra_info[TEACHER_OUTPUT_KEY] = output_key
         output = self.teacher_wg.infer_batch(batch)

@@ -19,17 +19,21 @@ from tensordict import TensorDict
 from verl.workers.utils.padding import response_to_nested
 
 
-def clipped_kl_penalty(old_log_probs: torch.Tensor, ref_log_prob: torch.Tensor, response_mask: torch.Tensor,
-                       coef: float) -> torch.Tensor:
+def clipped_kl_penalty(
+    old_log_probs: torch.Tensor, ref_log_prob: torch.Tensor, response_mask: torch.Tensor, coef: float
+) -> torch.Tensor:
     """``coef * [old - ref]_+`` per token, 0 where ``response_mask`` is 0. All (B, R); returns (B, R)."""
     if old_log_probs.shape != ref_log_prob.shape or old_log_probs.shape != response_mask.shape:
-        raise ValueError(f"clipped_kl_penalty: old_log_probs {tuple(old_log_probs.shape)}, ref_log_prob "
-                         f"{tuple(ref_log_prob.shape)} and response_mask {tuple(response_mask.shape)} differ")
+        raise ValueError(
+            f"clipped_kl_penalty: old_log_probs {tuple(old_log_probs.shape)}, ref_log_prob "
+            f"{tuple(ref_log_prob.shape)} and response_mask {tuple(response_mask.shape)} differ"
+        )
     return coef * (old_log_probs - ref_log_prob).clamp(min=0) * response_mask
 
 
-def penalty_metrics(old_log_probs: torch.Tensor, ref_log_prob: torch.Tensor, response_mask: torch.Tensor,
-                    penalty: torch.Tensor) -> dict[str, float]:
+def penalty_metrics(
+    old_log_probs: torch.Tensor, ref_log_prob: torch.Tensor, response_mask: torch.Tensor, penalty: torch.Tensor
+) -> dict[str, float]:
     """``memopd/reward_kl/*`` of a step: mean clipped KL per action token, the share of action tokens
     it clips to 0, and the mean penalty per episode."""
     mask = response_mask.bool()
@@ -56,7 +60,10 @@ def penalise_in_place(batch, coef: float) -> tuple[TensorDict, dict[str, float]]
     mask = padded["response_mask"].to(padded["old_log_probs"].dtype)
     penalty = clipped_kl_penalty(padded["old_log_probs"], padded["ref_log_prob"], mask, coef)
     penalised = response_to_nested(padded["rm_scores"] - penalty.to(padded["rm_scores"].dtype), nested_mask)
-    tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
-                    fields=TensorDict({"rm_scores": penalised}, batch_size=len(batch)))
+    tq.kv_batch_put(
+        keys=batch.keys,
+        partition_id=batch.partition_id,
+        fields=TensorDict({"rm_scores": penalised}, batch_size=len(batch)),
+    )
     after = TensorDict({"rm_scores": data["rm_scores"], "token_level_rewards": penalised}, batch_size=len(batch))
     return after, penalty_metrics(padded["old_log_probs"], padded["ref_log_prob"], mask, penalty)

@@ -40,21 +40,26 @@ class MemopdRowError(ValueError):
     """A row that does not carry a MemOPD episode layout."""
 
 
-def layout_fields(prompt_len: int, response_len: int, extra: dict, layout: str, where: str,
-                  teacher_mask_policy: str = "action") -> dict:
+def layout_fields(
+    prompt_len: int, response_len: int, extra: dict, layout: str, where: str, teacher_mask_policy: str = "action"
+) -> dict:
     """The restored fields of one row (``extra``: its agent-loop ``extra_fields``) under ``layout``; the
     teacher mask restricted to the calls ``teacher_mask_policy`` names (config.TEACHER_MASK_POLICIES)."""
     missing = [k for k in (POSITION_IDS, SEGMENT_IDS, TEACHER_MASK) if k not in extra]
     if missing:
-        raise MemopdRowError(f"{where}: no {missing} in extra_fields; MemOPD rows come from the memory agent "
-                             f"(agent_name memopd_memory_agent) or another agent that records its episode")
+        raise MemopdRowError(
+            f"{where}: no {missing} in extra_fields; MemOPD rows come from the memory agent "
+            f"(agent_name memopd_memory_agent) or another agent that records its episode"
+        )
     p, r = prompt_len, response_len
     segments = torch.tensor(extra[SEGMENT_IDS], dtype=torch.int64)
     positions = torch.tensor(extra[POSITION_IDS], dtype=torch.int64)
     teacher_mask = torch.tensor(extra[TEACHER_MASK], dtype=torch.int64)
     if segments.numel() != p + r or positions.numel() != p + r or teacher_mask.numel() != r:
-        raise MemopdRowError(f"{where}: layout lengths (positions {positions.numel()}, segments {segments.numel()}, "
-                             f"teacher mask {teacher_mask.numel()}) do not match prompt {p} + response {r}")
+        raise MemopdRowError(
+            f"{where}: layout lengths (positions {positions.numel()}, segments {segments.numel()}, "
+            f"teacher mask {teacher_mask.numel()}) do not match prompt {p} + response {r}"
+        )
     calls = (segments[p:] - 1).clamp(min=0)
     teacher_mask = teacher_mask * _supervised_calls(calls, teacher_mask_policy, where)
     if layout == "flat":
@@ -79,8 +84,15 @@ def padding_fields(prompt_len: int, response_len: int, layout: str) -> dict:
     """The fields of a verl padding row: positions 0..L-1, one causal segment, no teacher tokens."""
     n = prompt_len + response_len
     zeros = torch.zeros(response_len, dtype=torch.int64)
-    return _execution({"position_ids": torch.arange(n), SEGMENT_IDS: torch.zeros(n, dtype=torch.int64),
-                       TEACHER_MASK: zeros, CALL_INDEX: zeros.clone()}, layout)
+    return _execution(
+        {
+            "position_ids": torch.arange(n),
+            SEGMENT_IDS: torch.zeros(n, dtype=torch.int64),
+            TEACHER_MASK: zeros,
+            CALL_INDEX: zeros.clone(),
+        },
+        layout,
+    )
 
 
 def _execution(fields: dict, layout: str) -> dict:
@@ -111,23 +123,28 @@ def prompt_groups(keys: list[str], share: bool) -> list[int]:
     return [uids.setdefault(key.split("_")[0], len(uids)) for key in keys]
 
 
-def restore_layout(batch, layout: str, share_prefix: bool = False, teacher_mask_policy: str = "action") -> dict[str, float]:
+def restore_layout(
+    batch, layout: str, share_prefix: bool = False, teacher_mask_policy: str = "action"
+) -> dict[str, float]:
     """Rewrite the layout fields of ``batch`` (a KVBatchMeta of the step) in TransferQueue;
     returns the step's :func:`sharing_metrics`. ``share_prefix``: the rows of one prompt group
     may compute their common ``q`` once (``memopd.share_prefix_across_group``; packed layout).
     ``teacher_mask_policy``: ``memopd.distill.teacher_mask``."""
-    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
-                           select_fields=["prompts", "responses", "extra_fields"])
+    data = tq.kv_batch_get(
+        keys=batch.keys, partition_id=batch.partition_id, select_fields=["prompts", "responses", "extra_fields"]
+    )
     rows, lengths, prompts = [], [], {}
     groups = prompt_groups(list(batch.keys), share_prefix and layout == "packed")
-    for key, tag, group, prompt, response, extra in zip(batch.keys, batch.tags, groups, data["prompts"].unbind(),
-                                                        data["responses"].unbind(), data["extra_fields"]):
+    for key, tag, group, prompt, response, extra in zip(
+        batch.keys, batch.tags, groups, data["prompts"].unbind(), data["responses"].unbind(), data["extra_fields"]
+    ):
         p, r = prompt.numel(), response.numel()
         if tag.get("is_padding", False):
             rows.append(padding_fields(p, r, layout) | {PROMPT_GROUP: torch.tensor(-1)})
             continue
-        rows.append(layout_fields(p, r, extra, layout, f"row {key}", teacher_mask_policy)
-                    | {PROMPT_GROUP: torch.tensor(group)})
+        rows.append(
+            layout_fields(p, r, extra, layout, f"row {key}", teacher_mask_policy) | {PROMPT_GROUP: torch.tensor(group)}
+        )
         lengths.append((p + r, extra))
         if group >= 0:
             prompts.setdefault((group, tuple(prompt.tolist())), []).append(p)

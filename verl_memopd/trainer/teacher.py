@@ -93,7 +93,8 @@ def teacher_worker_config(config: DictConfig, memopd: MemopdConfig) -> TrainingW
         model_node.tokenizer_path = None
         model_node.model_type = TEACHER_MODEL_TYPE
         model_node.override_config = OmegaConf.merge(
-            model_node.get("override_config", {}), {"attn_implementation": memopd.teacher.attn_implementation})
+            model_node.get("override_config", {}), {"attn_implementation": memopd.teacher.attn_implementation}
+        )
         model_node.lora_rank = 0  # the teacher is frozen: no adapters
         if model_node.get("lora") is not None:
             model_node.lora.rank = 0
@@ -104,8 +105,13 @@ def teacher_worker_config(config: DictConfig, memopd: MemopdConfig) -> TrainingW
     engine_config.infer_micro_batch_size_per_gpu = config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
     engine_config.infer_max_token_len_per_gpu = config.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu
     engine_config.use_dynamic_bsz = bool(config.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz)
-    return TrainingWorkerConfig(model_type=TEACHER_MODEL_TYPE, model_config=model_config,
-                                engine_config=engine_config, optimizer_config=None, checkpoint_config=None)
+    return TrainingWorkerConfig(
+        model_type=TEACHER_MODEL_TYPE,
+        model_config=model_config,
+        engine_config=engine_config,
+        optimizer_config=None,
+        checkpoint_config=None,
+    )
 
 
 def _vocab_spec(name: str, path: str) -> VocabSpec:

@@ -36,14 +36,15 @@ def pool_nodes(placement_groups: Iterable) -> set[str]:
 def lost_nodes(watched: set[str], nodes: list[dict]) -> list[dict]:
     """The watched nodes that ``nodes`` (``ray.nodes()``: dicts with NodeID, Alive, ...) no longer lists alive."""
     info = {n["NodeID"]: n for n in nodes}
-    return [info.get(node, {"NodeID": node}) for node in sorted(watched)
-            if not info.get(node, {}).get("Alive", False)]
+    return [info.get(node, {"NodeID": node}) for node in sorted(watched) if not info.get(node, {}).get("Alive", False)]
 
 
 def loss_message(lost: list[dict]) -> str:
     names = ", ".join(f"{n['NodeID']} ({n.get('NodeManagerAddress', '?')})" for n in lost)
-    return (f"[verl-memopd] node watchdog: Ray node(s) {names} holding this run's workers died; ending the run. "
-            f"Resubmit with trainer.resume_mode=auto to continue from the last checkpoint.")
+    return (
+        f"[verl-memopd] node watchdog: Ray node(s) {names} holding this run's workers died; ending the run. "
+        f"Resubmit with trainer.resume_mode=auto to continue from the last checkpoint."
+    )
 
 
 def _end_process(message: str) -> None:
@@ -55,8 +56,13 @@ def _end_process(message: str) -> None:
 class NodeWatchdog(threading.Thread):
     """Daemon thread: ``on_loss(message)`` once a watched node is lost (default: print and end the process)."""
 
-    def __init__(self, watched: set[str], list_nodes: Callable[[], list[dict]] | None = None,
-                 period_s: float = WATCH_PERIOD_S, on_loss: Callable[[str], None] = _end_process):
+    def __init__(
+        self,
+        watched: set[str],
+        list_nodes: Callable[[], list[dict]] | None = None,
+        period_s: float = WATCH_PERIOD_S,
+        on_loss: Callable[[str], None] = _end_process,
+    ):
         super().__init__(name="memopd-node-watchdog", daemon=True)
         if not watched:
             raise ValueError("NodeWatchdog needs at least one node to watch")
