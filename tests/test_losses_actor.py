@@ -234,7 +234,7 @@ def test_metrics_are_global_means():
     for t in range(3):
         assert metrics[f"memopd/reverse_kl_call/{t}"] == pytest.approx(float(rkl[calls == t].mean()), rel=1e-5)
     assert 0 < metrics["memopd/student_top_mass"] < 1 and 0 < metrics["memopd/teacher_top_mass"] < 1
-    _, _, without = _run(params, [data], OPDLossConfig(vocab_size=V, coef=COEF, top_tokens=0))
+    _, _, without = _run(params, [data], OPDLossConfig(vocab_size=V, coef=COEF, top_mass_tokens=0))
     assert not {"memopd/student_top_mass", "memopd/teacher_top_mass"} & without.keys()  # 0: not logged
     assert without["memopd/reverse_kl"] == pytest.approx(metrics["memopd/reverse_kl"], rel=1e-6)
 

@@ -7,6 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import MISSING, fields, is_dataclass
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -14,8 +16,11 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 from verl_runs.launcher import run_main_ppo
 
+from verl_memopd.agent.loop import MemoryAgentConfig
+from verl_memopd.losses.actor import OPDLossConfig
+from verl_memopd.losses.chunked import Chunking
 from verl_memopd.supervision import SupervisionError
-from verl_memopd.trainer.config import MemopdConfigError, from_config
+from verl_memopd.trainer.config import LOSS_KEYS, DistillConfig, MemopdConfig, MemopdConfigError, from_config
 from verl_memopd.trainer.teacher import check_teacher_compatible, load_output_head
 
 
@@ -57,6 +62,8 @@ def test_recipe_and_baselines_compose(tmp_path, monkeypatch, tiny_models):
         (["memopd.kl_penalty_coef=-0.1"], "memopd.kl_penalty_coef=-0.1 must be >= 0"),
         (["memopd.audit.every_n_steps=-1"], "memopd.audit.every_n_steps=-1 must be >= 0"),
         (["memopd.distill.top_mass_tokens=-1"], "memopd.distill.top_mass_tokens=-1 must be >= 0"),
+        (["memopd.distill.jsd_beta=0.3"], "memopd.distill: OPDLossConfig: jsd_beta is set but divergence is"),
+        (["memopd.distill.vocab_chunk_size=0"], "memopd.distill: Chunking: chunk sizes must be >= 1"),
         (["memopd.distill.coef=0", "algorithm.use_kl_in_reward=true"], "would penalise the reward twice"),
         (["memopd.distill.coef=0", "+memopd.agent.prompts.task=x"], "memopd.agent.prompts.task: not a run-time"),
     ],
@@ -72,6 +79,44 @@ def test_unknown_transport_or_divergence_is_refused(tmp_path, monkeypatch, tiny_
     cfg = _compose(tmp_path, monkeypatch, f"memopd.teacher.path={tiny_models.teacher}", f"memopd.distill.{key}={value}")
     with pytest.raises(Exception, match=value):
         from_config(cfg)
+
+
+RECIPE = Path(__file__).resolve().parents[1] / "hydra_configs" / "recipe" / "memopd.yaml"
+
+
+def _defaults(cls) -> dict:
+    """A config dataclass's defaults as a tree of the recipe's shape (a nested config dataclass is its own tree)."""
+    out = {}
+    for f in fields(cls):
+        value = f.default_factory() if f.default_factory is not MISSING else f.default
+        out[f.name] = _defaults(type(value)) if is_dataclass(value) else value
+    return out
+
+
+def test_the_recipe_states_the_dataclasses_defaults_key_by_key():
+    recipe = OmegaConf.to_container(OmegaConf.load(RECIPE).memopd)
+    agent = recipe.pop("agent")
+    defaults = _defaults(MemopdConfig)
+    assert defaults.pop("agent") == {}  # memopd.agent is the agent loop's own config, compared below
+    assert recipe == defaults
+    assert sorted(agent) == sorted(f.name for f in fields(MemoryAgentConfig))
+    assert MemoryAgentConfig.from_mapping(agent) == MemoryAgentConfig()
+
+
+def test_the_loss_reads_its_distill_keys_by_name_with_the_same_defaults():
+    loss = {f.name: f.default for f in fields(OPDLossConfig) if f.name != "vocab_size"}
+    distill = _defaults(DistillConfig)
+    assert loss == {key: distill[key] for key in LOSS_KEYS}
+    assert set(distill) - set(LOSS_KEYS) == {"topk", "teacher_mask"}  # the teacher's transport, the rows' m_T
+
+
+def test_jsd_beta_and_vocab_chunk_size_reach_the_loss(tmp_path, monkeypatch, tiny_models):
+    teacher = f"memopd.teacher.path={tiny_models.teacher}"
+    default = from_config(_compose(tmp_path, monkeypatch, teacher)).opd_loss_config(vocab_size=50)
+    assert (default.divergence, default.chunking) == ("reverse_kl", Chunking(128, None))
+    overrides = ("memopd.distill.divergence=jsd", "memopd.distill.jsd_beta=0.3", "memopd.distill.vocab_chunk_size=16")
+    opd = from_config(_compose(tmp_path, monkeypatch, teacher, *overrides)).opd_loss_config(vocab_size=50)
+    assert (opd.vocab_size, opd.make_divergence().beta, opd.chunking) == (50, 0.3, Chunking(128, 16))
 
 
 def test_unresolved_recipe_string_is_refused():

@@ -94,7 +94,8 @@ class LossInputError(ValueError):
 
 @dataclass(frozen=True)
 class OPDLossConfig:
-    """The teacher branch of the actor loss (mirrors the recipe's ``memopd:`` keys it reads).
+    """The teacher branch of the actor loss. Every field but ``vocab_size`` is the ``memopd.distill`` key of the same
+    name (``trainer.config.MemopdConfig.opd_loss_config`` copies them by name; the defaults agree, a test holds them).
 
     Attributes:
         vocab_size: V agreed by student and teacher (``supervision.check_vocab_agreement``).
@@ -104,8 +105,8 @@ class OPDLossConfig:
         transport: registered transport name the teacher used (default ``hidden``).
         token_clamp: optional cap on each token's divergence (> 0); None (default) = no cap.
         token_chunk_size / vocab_chunk_size: see :class:`~verl_memopd.losses.chunked.Chunking`.
-        top_tokens: teacher tokens covered by the mass metrics ``memopd/{teacher,student}_top_mass`` (default 8;
-            0 = no such metrics, no top-k pass).
+        top_mass_tokens: teacher tokens covered by the mass metrics ``memopd/{teacher,student}_top_mass`` (default
+            8; 0 = no such metrics, no top-k pass).
     """
 
     vocab_size: int
@@ -116,7 +117,7 @@ class OPDLossConfig:
     token_clamp: Optional[float] = None
     token_chunk_size: int = Chunking.token_chunk_size
     vocab_chunk_size: Optional[int] = None
-    top_tokens: int = 8
+    top_mass_tokens: int = 8
 
     def __post_init__(self) -> None:
         if self.vocab_size < 1 or not self.coef >= 0:
@@ -126,8 +127,10 @@ class OPDLossConfig:
         self.make_divergence(), get_transport(self.transport), self.chunking  # unknown names / bad sizes raise here
         if self.token_clamp is not None and not self.token_clamp > 0:
             raise ValueError(f"OPDLossConfig: token_clamp = {self.token_clamp} must be > 0 or None")
-        if self.top_tokens < 0:
-            raise ValueError(f"OPDLossConfig: top_tokens = {self.top_tokens} must be >= 0 (0 = no top-mass metrics)")
+        if self.top_mass_tokens < 0:
+            raise ValueError(
+                f"OPDLossConfig: top_mass_tokens = {self.top_mass_tokens} must be >= 0 (0 = no top-mass metrics)"
+            )
 
     def make_divergence(self):
         return get_divergence(self.divergence, **({"beta": self.jsd_beta} if self.divergence == "jsd" else {}))
@@ -281,7 +284,7 @@ def opd_loss(opd_config: OPDLossConfig, model_output: dict, data: TensorDict) ->
         _temperature(data, pos),
         opd_config.chunking,
         opd_config.token_clamp,
-        opd_config.top_tokens,
+        opd_config.top_mass_tokens,
     )
     return result.loss, _metrics(opd_config, result, pos, data, weight, dp_size)
 
@@ -297,7 +300,7 @@ def _metrics(opd_config, result: DivergenceResult, pos: _Positions, data, weight
         "memopd/reverse_kl": part(result.reverse_kl),
         "memopd/forward_kl": part(result.forward_kl),
     }
-    if opd_config.top_tokens:
+    if opd_config.top_mass_tokens:
         metrics["memopd/teacher_top_mass"] = part(result.teacher_top_mass)
         metrics["memopd/student_top_mass"] = part(result.student_top_mass)
     if opd_config.token_clamp is not None:

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+
+if TYPE_CHECKING:
+    from verl_memopd.losses.actor import OPDLossConfig
 
 #: Layouts the trainer can execute: packed = MemOPD, per_call = the same rows run call by call
 #: (packing's speed baseline, numerically equal), flat = everything flattened (diagnostic).
@@ -63,24 +66,45 @@ class TeacherConfig:
 class DistillConfig:
     """``memopd.distill``: the teacher branch ``lambda * L_OPD`` (``verl_memopd.losses``).
 
+    The keys the actor loss reads (``LOSS_KEYS``) are ``losses.actor.OPDLossConfig``'s fields of the same name
+    (:meth:`MemopdConfig.opd_loss_config`); ``topk`` goes to the teacher's transport, ``teacher_mask`` to the rows.
+
     coef: lambda >= 0; 0 = PPO only (no teacher is started).
-    divergence: reverse_kl (paper) | forward_kl | jsd.  transport: hidden (exact) | topk.
+    divergence: reverse_kl (paper) | forward_kl | jsd.  jsd_beta: beta of ``jsd`` (0.5 = symmetric; only ``jsd``
+    reads it, so another divergence refuses a value other than 0.5).  transport: hidden (exact) | topk.
     topk: tokens per position the ``topk`` transport ships (default null = 128); refused with ``hidden``.
     teacher_mask: which sampled tokens the teacher supervises (``TEACHER_MASK_POLICIES``): ``action`` = m_T = m_act
     (paper's main setting), ``answer`` = the final call's, ``memory`` = the memory calls'.
     token_clamp: optional cap on each token's divergence.  token_chunk_size: tokens per chunk.
+    vocab_chunk_size: vocabulary columns per chunk (null = the whole vocabulary at once; set it when
+    ``token_chunk_size x V`` fp32 logits do not fit).
     top_mass_tokens: the teacher's top tokens whose teacher / student probability mass is logged
     (``actor/memopd/{teacher,student}_top_mass``); 0 = not logged, and the divergence skips its top-k pass.
     """
 
     coef: float = 1.0
     divergence: str = "reverse_kl"
+    jsd_beta: float = 0.5
     transport: str = "hidden"
     topk: Optional[int] = None
     teacher_mask: str = "action"
     token_clamp: Optional[float] = None
     token_chunk_size: int = 128
+    vocab_chunk_size: Optional[int] = None
     top_mass_tokens: int = 8
+
+
+#: the ``memopd.distill`` keys the actor loss reads: ``losses.actor.OPDLossConfig``'s fields but ``vocab_size``
+LOSS_KEYS = (
+    "coef",
+    "divergence",
+    "jsd_beta",
+    "transport",
+    "token_clamp",
+    "token_chunk_size",
+    "vocab_chunk_size",
+    "top_mass_tokens",
+)
 
 
 @dataclass(frozen=True)
@@ -186,6 +210,10 @@ class MemopdConfig:
             raise MemopdConfigError(
                 f"memopd.distill.top_mass_tokens={self.distill.top_mass_tokens} must be >= 0 (0 = no top-mass metrics)"
             )
+        try:
+            self.opd_loss_config(vocab_size=1)  # the loss's own checks (names, chunk sizes, jsd_beta); V comes later
+        except ValueError as e:
+            raise MemopdConfigError(f"memopd.distill: {e}") from None
         if self.distill.coef > 0:
             if not self.teacher.path:
                 raise MemopdConfigError(
@@ -194,10 +222,6 @@ class MemopdConfig:
                 )
             if not (Path(self.teacher.path).expanduser() / "config.json").is_file():
                 raise MemopdConfigError(f"memopd.teacher.path={self.teacher.path}: no model there (no config.json)")
-            from verl_memopd.losses.divergences import get_divergence
-            from verl_memopd.supervision import get_transport
-
-            get_divergence(self.distill.divergence), get_transport(self.distill.transport)  # unknown names raise
 
     def _check_teacher_state(self) -> None:
         state = self.teacher.state
@@ -224,6 +248,12 @@ class MemopdConfig:
             )
         if topk is not None and topk < 1:
             raise MemopdConfigError(f"memopd.distill.topk={topk} must be >= 1 (or null for 128)")
+
+    def opd_loss_config(self, vocab_size: int) -> "OPDLossConfig":
+        """The actor loss's teacher branch: the ``LOSS_KEYS`` of ``memopd.distill``, for a vocabulary of V."""
+        from verl_memopd.losses.actor import OPDLossConfig
+
+        return OPDLossConfig(vocab_size=vocab_size, **{key: getattr(self.distill, key) for key in LOSS_KEYS})
 
     def transport_options(self) -> dict:
         """Keyword options of ``supervision.get_transport(distill.transport, ...)`` on the teacher side."""

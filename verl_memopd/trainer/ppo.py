@@ -36,7 +36,6 @@ from verl.utils.debug import marked_timer
 
 from verl_memopd.agent import errors as agent_errors
 from verl_memopd.fields import RCE_FIELD, RCE_FLAG, RCE_TOLERANCE_FIELD, TEACHER_OUTPUT_KEY
-from verl_memopd.losses.actor import OPDLossConfig
 from verl_memopd.trainer.audit import put_rce_records, rce_check, rce_metrics
 from verl_memopd.trainer.config import MemopdConfigError, from_config
 from verl_memopd.trainer.loss import MemopdActorLoss
@@ -118,16 +117,7 @@ class MemopdTrainer(PPOTrainerSync):
         self.node_watchdog = NodeWatchdog(pool_nodes(pg for pool in pools for pg in pool.pgs or ()))
         self.node_watchdog.start()
         actor_config = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
-        distill = self.memopd.distill
-        opd = OPDLossConfig(
-            vocab_size=self.vocab_size or 1,
-            coef=distill.coef,
-            divergence=distill.divergence,
-            transport=distill.transport,
-            token_clamp=distill.token_clamp,
-            token_chunk_size=distill.token_chunk_size,
-            top_tokens=distill.top_mass_tokens,
-        )
+        opd = self.memopd.opd_loss_config(vocab_size=self.vocab_size or 1)
         self.actor_rollout_wg.set_loss_fn(
             MemopdActorLoss(actor_config, opd, self.memopd.teacher.path, ppo_coef=self.memopd.ppo_coef)
         )
