@@ -5,6 +5,7 @@ nothing, so every stage (and an agent loop written outside this package) can use
 """
 
 __all__ = [
+    "REPLAY",
     "EPISODE",
     "POSITION_IDS",
     "SEGMENT_IDS",
@@ -34,6 +35,11 @@ __all__ = [
     "RCE_TOLERANCE_FIELD",
     "RECORD_FIELDS",
 ]
+
+# -- a dataset row's ``extra_info`` (read by an agent loop) -------------------------------------------------------
+#: the recorded calls ``memopd_replay_agent`` replays instead of sampling (``agent/replay.py``): a list, one
+#: ``{"prompt_ids": [...], "response_ids": [...]}`` per call in order
+REPLAY = "memopd_replay"
 
 # -- the agent loop's ``AgentLoopOutput.extra_fields`` (the contract of an agent loop; docs/agents.md) ----------
 #: the episode's invocation records, ``records.Episode.to_dict()``

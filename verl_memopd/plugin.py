@@ -34,8 +34,10 @@ def _register_cpu_engines() -> None:
 
 _register_cpu_engines()
 
-# verl's agent-loop registry: the memory agent (``agent_name: memopd_memory_agent`` in dataset rows)
+# verl's agent-loop registry: the memory agent (``agent_name: memopd_memory_agent`` in dataset rows) and its
+# replay of recorded trajectories (``memopd_replay_agent``)
 import verl_memopd.agent.loop  # noqa: E402,F401  (registers on import)
+import verl_memopd.agent.replay  # noqa: E402,F401
 
 # verl's engine registry (memopd_language_model / memopd_value_model / memopd_teacher) and trainer
 # registry (trainer.v1.trainer_mode=memopd)
@@ -49,10 +51,11 @@ def registered() -> dict[str, bool]:
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
     from verl.workers.engine.base import EngineRegistry
 
+    from verl_memopd.agent.replay import REPLAY_AGENT_NAME
     from verl_memopd.tasks.dataset import AGENT_NAME
 
     return {
-        f"agent_loop:{AGENT_NAME}": AGENT_NAME in _agent_loop_registry,
+        **{f"agent_loop:{name}": name in _agent_loop_registry for name in (AGENT_NAME, REPLAY_AGENT_NAME)},
         "trainer:memopd": "memopd" in TRAINER_REGISTRY,
         **{
             f"engine:{m}": m in EngineRegistry._engines

@@ -1,0 +1,109 @@
+"""``memopd_replay_agent``: replaying a recorded episode gives the live memory agent's packed row exactly (log-probs
+aside), sends nothing to the server, and refuses a trajectory the agent could not have produced."""
+
+import asyncio
+import copy
+
+import hydra
+import pytest
+from hydra.errors import InstantiationException
+from test_agent import SAMPLING, FakeServer, _config, _row, _run, _script, tokenizer  # noqa: F401  (fixture)
+from verl.experimental.agent_loop.agent_loop import DictConfigWrap, _agent_loop_registry
+from verl.utils.dataset.rl_dataset import RLHFDataset
+
+from verl_memopd.agent.replay import REPLAY_AGENT_NAME, ReplayError
+from verl_memopd.fields import EPISODE, POSITION_IDS, REPLAY, SEGMENT_IDS, TEACHER_MASK
+from verl_memopd.records import Episode
+
+
+class NoServer:
+    """A server that must not be asked."""
+
+    async def generate(self, *args, **kwargs):
+        raise AssertionError("the replay agent sent a request to the rollout server")
+
+
+def _replay(tok, row, config=None):
+    async def go():
+        config_ = config if config is not None else _config()
+        loop = hydra.utils.instantiate(
+            _agent_loop_registry[REPLAY_AGENT_NAME],
+            trainer_config=DictConfigWrap(config_),
+            server_manager=NoServer(),
+            tokenizer=tok,
+            processor=None,
+            dataset_cls=RLHFDataset,
+            data_config=DictConfigWrap(config_.data),
+        )
+        return await loop.run(
+            dict(SAMPLING),
+            raw_prompt=row["prompt"],
+            extra_info=row["extra_info"],
+            reward_model=row["reward_model"],
+            data_source=row["data_source"],
+            uid="u3",
+            index=3,
+        )
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def live(tokenizer):  # noqa: F811
+    row = _row()
+    server = FakeServer(_script(tokenizer, [a[0] for a in row["reward_model"]["ground_truth"]]))
+    output = _run(tokenizer, server, row)
+    return row, output, Episode.from_dict(output.extra_fields[EPISODE])
+
+
+def _replay_row(row, episode):
+    out = copy.deepcopy(row)
+    out["extra_info"] = {
+        **out["extra_info"],
+        REPLAY: [{"prompt_ids": list(c.prompt_ids), "response_ids": list(c.response_ids)} for c in episode.invocations],
+    }
+    return out
+
+
+def test_replay_reproduces_the_live_row_without_the_server(tokenizer, live):  # noqa: F811
+    row, output, episode = live
+    replayed = _replay(tokenizer, _replay_row(row, episode))
+    assert replayed.prompt_ids == output.prompt_ids and replayed.response_ids == output.response_ids
+    assert replayed.response_mask == output.response_mask and replayed.reward_score == output.reward_score
+    for key in (POSITION_IDS, SEGMENT_IDS, TEACHER_MASK):
+        assert replayed.extra_fields[key] == output.extra_fields[key], key
+    calls = Episode.from_dict(replayed.extra_fields[EPISODE]).invocations
+    assert [c.response_ids for c in calls] == [c.response_ids for c in episode.invocations]
+    assert [c.finish_reason for c in calls] == [c.finish_reason for c in episode.invocations]
+    assert all(lp == 0.0 for c in calls for lp in c.response_logprobs)  # placeholders: nothing was sampled
+    assert any(lp != 0.0 for c in episode.invocations for lp in c.response_logprobs)  # (the live ones were not)
+
+
+def test_replay_refuses_a_context_that_differs_from_the_recording(tokenizer, live):  # noqa: F811
+    row, _, episode = live
+    bad = _replay_row(row, episode)
+    bad["extra_info"][REPLAY][1]["prompt_ids"][-3] += 1
+    with pytest.raises(ReplayError, match=r"call 1: the context the agent built .* from token"):
+        _replay(tokenizer, bad)
+
+
+def test_replay_refuses_a_reply_the_agent_cannot_have_made(tokenizer, live):  # noqa: F811
+    row, _, episode = live
+    bad = _replay_row(row, episode)
+    bad["extra_info"][REPLAY][0]["response_ids"] = bad["extra_info"][REPLAY][0]["response_ids"][:-1]  # no stop, short
+    with pytest.raises(ReplayError, match=r"call 0: recorded response_ids of 5 tokens for a budget of 12"):
+        _replay(tokenizer, bad)
+
+
+def test_replay_refuses_missing_or_extra_calls_and_bypass_mode(tokenizer, live):  # noqa: F811
+    row, _, episode = live
+    extra = _replay_row(row, episode)
+    extra["extra_info"][REPLAY].append(extra["extra_info"][REPLAY][-1])
+    with pytest.raises(ReplayError, match=r"has 5 calls, the episode made 4"):
+        _replay(tokenizer, extra)
+    with pytest.raises(ReplayError, match=rf"extra_info.{REPLAY} is missing"):
+        _replay(tokenizer, row)
+    config = _config()
+    config.algorithm = {"rollout_correction": {"bypass_mode": True}}
+    with pytest.raises(InstantiationException, match="bypass_mode=true would take the replayed"):  # hydra wraps it
+        _replay(tokenizer, _replay_row(row, episode), config)
