@@ -148,7 +148,7 @@ def test_backend_registry_refuses_duplicates_and_flash_names():
         register_backend("torch")(BACKENDS["torch"])
     with pytest.raises(ValueError, match="containing 'flash'"):
         register_backend("flashy")(BACKENDS["torch"])
-    with pytest.raises(KeyError, match="valid backends: flash_attn, torch, torch_varlen"):
+    with pytest.raises(KeyError, match="valid attention backends: flash_attn, torch, torch_varlen"):
         get_backend("xformers")
     assert "flash" not in hf_name("flash_attn")
 

@@ -228,6 +228,9 @@ def test_bad_inputs_name_the_problem():
         divergence_loss(div, student, HiddenTarget(ht, wt, V - 1), weights, temp)
     with pytest.raises(ValueError, match="chunk sizes must be >= 1"):
         Chunking(0)
+    odd = type("OddTarget", (), {"num_tokens": A, "vocab_size": V})()
+    with pytest.raises(KeyError, match="'OddTarget'; valid divergence target types: HiddenTarget, TopKTarget"):
+        divergence_loss(div, student, odd, weights, temp)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -307,7 +307,7 @@ def test_bad_inputs_raise_errors_that_name_the_problem():
     no_student = {k: v for k, v in _model_output(params, data).items() if k != "memopd_hidden"}
     with pytest.raises(LossInputError, match="memopd_hidden.*memopd_lm_head_weight.*memopd_logits"):
         memopd_actor_loss(_actor_config(), OPDLossConfig(vocab_size=V), no_student, data)
-    with pytest.raises(ValueError, match=r"unknown supervision transport 'logits'.*\['hidden', 'topk'\]"):
+    with pytest.raises(ValueError, match="transport 'logits'; valid supervision transports: hidden, topk"):
         OPDLossConfig(vocab_size=V, transport="logits")
     with pytest.raises(ValueError, match=r"unknown divergence 'rkl'"):
         OPDLossConfig(vocab_size=V, divergence="rkl")

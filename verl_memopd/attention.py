@@ -40,6 +40,7 @@ from transformers import AttentionInterface
 
 from verl_memopd.fields import SEGMENTS
 from verl_memopd.packing import BatchLayout
+from verl_memopd.registry import Registry
 from verl_memopd.segments import SegmentMeta
 
 __all__ = [
@@ -64,7 +65,7 @@ HF_PREFIX = "memopd_"
 HF_NAMES: dict[str, str] = {}
 #: Backend signature: (q (N, Hq, D), k (Nk, Hkv, D), v (Nk, Hkv, D), meta, scale, dropout) -> (N, Hq, D).
 Backend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, SegmentMeta, float, float], torch.Tensor]
-BACKENDS: dict[str, Backend] = {}
+BACKENDS = Registry("attention backend")
 
 
 class PackedAttentionError(RuntimeError):
@@ -82,11 +83,12 @@ def register_backend(name: str, hf_suffix: Optional[str] = None) -> Callable[[Ba
     hf = HF_PREFIX + (hf_suffix or name)
 
     def deco(fn: Backend) -> Backend:
-        if name in BACKENDS or hf in HF_NAMES.values():
-            raise ValueError(f"attention backend {name!r} ({hf!r}) is already registered")
+        if hf in HF_NAMES.values():
+            raise ValueError(f"attention implementation {hf!r} is already registered")
         if "flash" in hf:
             raise ValueError(f"{hf!r}: transformers would treat a name containing 'flash' as flash-attention")
-        BACKENDS[name], HF_NAMES[name] = fn, hf
+        BACKENDS.add(name, fn)
+        HF_NAMES[name] = hf
         AttentionInterface.register(hf, _hf_attention(name))
         return fn
 
@@ -108,9 +110,7 @@ def scoped_backend(name: str, fn: Backend) -> Iterator[str]:
 
 
 def get_backend(name: str) -> Backend:
-    if name not in BACKENDS:
-        raise KeyError(f"unknown attention backend {name!r}; valid backends: {', '.join(sorted(BACKENDS))}")
-    return BACKENDS[name]
+    return BACKENDS.lookup(name)
 
 
 def _hf_attention(backend: str) -> Callable:

@@ -34,6 +34,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 
 from verl_memopd.records import Episode, RecordError
+from verl_memopd.registry import Registry
 from verl_memopd.segments import LayoutError, SegmentMeta, segment_meta
 
 __all__ = [
@@ -236,16 +237,21 @@ def _calls(row: _Row, ep: Episode) -> list[_Row]:
     return out
 
 
-_LAYOUTS: dict[str, tuple[Callable[[Sequence[Episode]], list[_Row]], bool]] = {}
+class _Layout(NamedTuple):
+    """A registered layout: ``rows(episodes)``; ``padded`` rows become (B, L), else one stream."""
+
+    rows: Callable[[Sequence[Episode]], list[_Row]]
+    padded: bool
+
+
+_LAYOUTS = Registry("layout")
 
 
 def register_layout(name: str, padded: bool) -> Callable:
     """Register ``fn(episodes) -> rows`` as layout ``name``; ``padded`` rows become (B, L), else one stream."""
 
     def deco(fn: Callable[[Sequence[Episode]], list[_Row]]) -> Callable:
-        if name in _LAYOUTS:
-            raise ValueError(f"layout {name!r} is already registered")
-        _LAYOUTS[name] = (fn, padded)
+        _LAYOUTS.add(name, _Layout(fn, padded))
         return fn
 
     return deco
@@ -277,15 +283,13 @@ def _per_call_varlen(episodes: Sequence[Episode]) -> list[_Row]:
 
 def build_layout(name: str, episodes: Sequence[Episode], vocab_size: Optional[int] = None) -> BatchLayout:
     """Lay out ``episodes`` (validated; ids checked against ``vocab_size`` when given) as layout ``name``."""
-    if name not in _LAYOUTS:
-        raise KeyError(f"unknown layout {name!r}; valid layouts: {', '.join(layout_names())}")
+    layout = _LAYOUTS.lookup(name)
     if not episodes or not all(isinstance(ep, Episode) for ep in episodes):
         raise LayoutError(f"layout {name!r}: needs a non-empty sequence of Episode records")
     if vocab_size is not None:
         for ep in episodes:
             ep.validate_vocab(vocab_size)
-    fn, padded = _LAYOUTS[name]
-    return _assemble(name, fn(episodes), padded)
+    return _assemble(name, layout.rows(episodes), layout.padded)
 
 
 def _assemble(name: str, rows: list[_Row], padded: bool) -> BatchLayout:

@@ -1,34 +1,58 @@
-"""Name -> implementation registries (divergences, supervision transports), in verl's style.
+"""Key -> implementation registries, in verl's style: divergences and supervision transports (built from a name),
+attention backends, packing layouts, and the divergence kernel of each teacher-target type.
 
-Duplicate names are refused; a lookup of an unknown name lists the valid ones.
+A key registered twice is refused; a lookup of an unknown key names the valid ones.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, TypeVar
+
+T = TypeVar("T")
+
+
+class UnknownKeyError(KeyError, ValueError):
+    """A registry has nothing under the key (a ``KeyError`` for lookups, a ``ValueError`` for config checks)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def _label(key: Hashable) -> str:
+    return key.__name__ if isinstance(key, type) else str(key)
 
 
 class Registry(dict):
-    """A ``{name: class}`` registry for one kind of component (e.g. ``"divergence"``)."""
+    """A ``{key: entry}`` registry for one kind of component (e.g. ``"divergence"``); keys are names, or types."""
 
     def __init__(self, kind: str):
         super().__init__()
         self.kind = kind
 
-    def register(self, name: str) -> Callable[[type], type]:
-        """Class decorator: register ``cls`` under ``name`` (and set ``cls.name``)."""
+    def add(self, key: Hashable, entry: Any) -> None:
+        """Register ``entry`` under ``key``; a key already registered is refused."""
+        if key in self:
+            raise ValueError(f"{self.kind} {_label(key)!r} is already registered ({self[key]})")
+        self[key] = entry
 
-        def decorator(cls: type) -> type:
-            if name in self:
-                raise ValueError(f"{self.kind} {name!r} is already registered ({self[name]})")
-            cls.name = name
-            self[name] = cls
-            return cls
+    def register(self, key: Hashable) -> Callable[[T], T]:
+        """Decorator: register the decorated object under ``key`` (a class registered by name gets ``cls.name``)."""
+
+        def decorator(obj: T) -> T:
+            self.add(key, obj)
+            if isinstance(obj, type) and isinstance(key, str):
+                obj.name = key
+            return obj
 
         return decorator
 
+    def lookup(self, key: Hashable) -> Any:
+        """The entry under ``key``; an unknown key raises ``UnknownKeyError`` naming the valid ones."""
+        if key not in self:
+            valid = ", ".join(sorted(map(_label, self)))
+            raise UnknownKeyError(f"unknown {self.kind} {_label(key)!r}; valid {self.kind}s: {valid}")
+        return self[key]
+
     def build(self, name: str, **params: Any) -> Any:
         """Instantiate the class registered as ``name`` with ``params``."""
-        if name not in self:
-            raise ValueError(f"unknown {self.kind} {name!r}; valid {self.kind}s: {sorted(self)}")
-        return self[name](**params)
+        return self.lookup(name)(**params)

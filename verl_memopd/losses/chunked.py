@@ -43,11 +43,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from verl_memopd.losses.divergences import Divergence, _rowdot
+from verl_memopd.registry import Registry
 from verl_memopd.supervision import HiddenTarget
 
 __all__ = [
@@ -417,19 +418,11 @@ def _hidden_kernel(plan: Plan, student: StudentLogits, target: HiddenTarget, wei
 
 
 # --- public entry -------------------------------------------------------------------------------------
-TARGET_KERNELS: dict[type, Callable[..., DivergenceResult]] = {HiddenTarget: _hidden_kernel}
-
-
-def register_target_kernel(target_type: type) -> Callable:
-    """Decorator: ``kernel(plan, student, target, weights, inv_temp) -> DivergenceResult`` for a target type."""
-
-    def decorator(kernel: Callable) -> Callable:
-        if target_type in TARGET_KERNELS:
-            raise ValueError(f"a kernel for {target_type.__name__} is already registered")
-        TARGET_KERNELS[target_type] = kernel
-        return kernel
-
-    return decorator
+#: teacher-target type -> ``kernel(plan, student, target, weights, inv_temp) -> DivergenceResult``
+TARGET_KERNELS = Registry("divergence target type")
+TARGET_KERNELS.add(HiddenTarget, _hidden_kernel)
+#: decorator: register a kernel for a target type (``register_target_kernel(TopKTarget)``)
+register_target_kernel = TARGET_KERNELS.register
 
 
 def divergence_loss(
@@ -472,11 +465,9 @@ def divergence_loss(
         raise ValueError(f"divergence_loss: clamp = {clamp} must be > 0 (or None)")
     if top_tokens < 0:
         raise ValueError(f"divergence_loss: top_tokens = {top_tokens} must be >= 0")
-    if type(target) not in TARGET_KERNELS:
-        known = [t.__name__ for t in TARGET_KERNELS]
-        raise TypeError(f"divergence_loss: no kernel for {type(target).__name__}; known targets: {known}")
+    kernel = TARGET_KERNELS.lookup(type(target))
     plan = Plan(divergence, student.vocab_size, chunking, clamp, top_tokens)
-    return TARGET_KERNELS[type(target)](plan, student, target, weights, 1.0 / temperature.float())
+    return kernel(plan, student, target, weights, 1.0 / temperature.float())
 
 
 def naive_divergence(
