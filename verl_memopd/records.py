@@ -24,13 +24,11 @@ has 7 entries, response_ids has 8``): bad records are refused, never repaired.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Optional
 
-__all__ = ["Invocation", "Episode", "RecordError", "write_jsonl", "read_jsonl"]
+__all__ = ["Invocation", "Episode", "RecordError"]
 
 
 class RecordError(ValueError):
@@ -234,24 +232,3 @@ class Episode:
             reward=d.get("reward"),
             extra=d.get("extra") or {},
         )
-
-
-def write_jsonl(episodes: Iterable[Episode], path: str | Path) -> int:
-    """Write one JSON object per episode (human-readable token ids); returns the count."""
-    n = 0
-    with open(path, "w") as f:
-        for ep in episodes:
-            f.write(json.dumps(ep.to_dict()) + "\n")
-            n += 1
-    return n
-
-
-def read_jsonl(path: str | Path) -> Iterator[Episode]:
-    """Read episodes written by :func:`write_jsonl`, validating each one."""
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield Episode.from_dict(json.loads(line))
-                except (KeyError, json.JSONDecodeError) as e:
-                    raise RecordError(f"{path}:{line_no}: malformed episode record ({e!r})") from None
