@@ -1,4 +1,4 @@
-"""The agent loop's own error becomes the training job's top-level error (issue 27 item 12).
+"""The agent loop's own error becomes the training job's top-level error.
 
 verl's replay buffer reports a step whose rollouts all failed as "... no materializable trajectories";
 the agent loop records its first error (``agent.errors.record``) and the MemOPD trainer's replay buffer

@@ -1,4 +1,4 @@
-"""Your own data, second round (issue 27): the sources' own files, answer modes, reading errors, outputs.
+"""Your own data: the sources' own files, answer modes, reading errors, outputs.
 
 Every source file is a small synthetic one in the source's exact schema (``tests/fixtures/sources/``,
 written by ``tests/fixtures/sources.py``); chunks are measured with the tiny models' tokenizer.

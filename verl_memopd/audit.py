@@ -84,7 +84,7 @@ class Tolerance:
 
 #: Direct bound on ``max |l_packed - l_alone|``. fp32: the rule, ``1e-4 + 2^-15 max |l_alone|`` (summation order
 #: only: ~1e-6 on the tiny models, up to 1.2e-4 on 30-layer SmolLM2 whose logits reach ~40; see
-#: ``verl_memopd.rce``). fp16 / bf16: the old relative bound (8 ulps of the largest logit), a fallback used only
+#: ``verl_memopd.rce``). fp16 / bf16: a relative bound (8 ulps of the largest logit), a fallback used only
 #: where no fp32 reference runs (``alone_pass_stats(reference=False)``, or no replica could be built; it warns).
 TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float32: Tolerance(atol=1e-4, rtol=2.0**-15),

@@ -37,8 +37,8 @@ over the call's action tokens and the vocabulary:
   leaves room, and the faults measured need 9-30 (3B). ``eps``: 4 ulps of the call's largest logit, for
   short calls whose two low-precision passes round alike (a zero floor). The bound follows the
   model's own rounding error: it does not pass real faults on a small model nor run out on a large
-  one, as the old ``8 * 2^-7 * max |l|`` did (clean 3B / 7B runs used 0.80 / 0.75 of it; now 0.34 /
-  0.37 of the new bound). Under FSDP mixed precision (verl's GPU set-up: fp32 shards, bf16 compute) the
+  one, as a fixed ``8 * 2^-7 * max |l|`` does (clean 3B / 7B runs use 0.80 / 0.75 of that bound, 0.34 /
+  0.37 of this one). Under FSDP mixed precision (verl's GPU set-up: fp32 shards, bf16 compute) the
   in-training check builds the reference unit by unit from the fp32 shards, rounded to bf16
   (``verl_memopd.fp32_reference``; FSDP1 and FSDP2, equal bit for bit to an unsharded model's on 2 ranks).
 - A call whose action tokens or token ids do not match its record fails (infinite difference).
@@ -403,7 +403,7 @@ def faulty_packer(fault: Callable[[PackedRow], PackedRow]) -> Packer:
     return pack
 
 
-#: the old self-test's packer fault, kept under its name
+#: the self-test's reversed-block packer fault as a packer of its own (``tests/test_rce.py``)
 reversed_block_packer = faulty_packer(_reversed_block)
 
 
