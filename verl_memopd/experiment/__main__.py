@@ -13,6 +13,11 @@ python -m verl_memopd.experiment summary results/cpu_tiny/metrics.csv
     ``experiment model=<m> seeds=<n> steps=<s> teacher_f1=<t> start_f1=<f0> memopd_f1=<a> flat_f1=<b> ppo_f1=<c>
     kd_f1=<d> opd_f1=<e>`` (na for an arm without a test row); ``--markdown``: the arms' table in markdown instead
     (the README's "Does it learn?" table)
+python -m verl_memopd.experiment summary results/cpu_smollm2_horizon/metrics.csv
+    a several-preset experiment's combined file: one line per horizon, ``experiment horizon=<T> model=<m>
+    seeds=<n> test_episodes=<n> teacher_f1=.. start_f1=.. memopd_f1=.. opd_f1=.. kd_soft_f1=.. kd_f1=.. sft_f1=..
+    flat_f1=.. opd_minus_kd_soft=<d> opd_minus_kd_soft_ci=<lo>,<hi> memopd_minus_kd=<d> memopd_minus_kd_ci=<lo>,<hi>``
+    (paired over episodes and seeds, 95% bootstrap intervals; ``horizon.py``)
 python -m verl_memopd.experiment plot results/cpu_tiny/metrics.csv [--out f1.png]
 """
 
@@ -109,15 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(eval_sft_checkpoint(cfg, _paths(args, cfg.name), args.role, args.step, args.split))
     elif args.command == "summary":
-        from verl_memopd.experiment.report import markdown_lines, read_experiment, read_metrics, summary_lines
-
-        rows = read_metrics(Path(args.csv))
-        lines = (
-            markdown_lines(rows)
-            if args.markdown
-            else summary_lines(rows, read_experiment(Path(args.csv).parent).get("base_model", "na"))
-        )
-        print("\n".join(lines))
+        print("\n".join(_summary(Path(args.csv), args.markdown)))
     else:
         from verl_memopd.experiment.plot import plot_metrics
         from verl_memopd.experiment.report import read_metrics
@@ -126,6 +123,35 @@ def main(argv: list[str] | None = None) -> int:
         plot_metrics(read_metrics(Path(args.csv)), out)
         print(f"plot -> {out}")
     return 0
+
+
+def _summary(csv: Path, markdown: bool) -> list[str]:
+    """The summary of one experiment's ``metrics.csv``; a several-preset experiment's combined file (its header starts
+    with ``preset,horizon``) gives one ``experiment horizon=<T> ...`` line per horizon, from ``episodes.csv`` beside
+    it."""
+    from verl_memopd.experiment.report import (
+        HORIZON_COLUMNS,
+        markdown_lines,
+        read_episodes,
+        read_experiment,
+        read_metrics,
+        summary_lines,
+    )
+
+    model = read_experiment(csv.parent).get("base_model", "na")
+    with open(csv) as f:
+        header = tuple(f.readline().strip().split(","))
+    if header != HORIZON_COLUMNS:
+        rows = read_metrics(csv)
+        return markdown_lines(rows) if markdown else summary_lines(rows, model)
+    if markdown:
+        raise SystemExit(f"{csv}: --markdown takes one preset's metrics.csv ({csv.parent}/<preset>/metrics.csv)")
+    from verl_memopd.experiment.horizon import horizon_summary_lines
+
+    episodes = csv.with_name("episodes.csv")
+    if not episodes.is_file():
+        raise SystemExit(f"{episodes}: missing; the horizon summary reads the per-episode rows beside {csv.name}")
+    return horizon_summary_lines(read_episodes(episodes), model)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The matched arms: MemOPD, persistent-history teacher scoring, PPO only, OPD only (RL); off-policy KD (SFT,
-``kd.py``).
+"""The matched arms: MemOPD, persistent-history teacher scoring, PPO only, OPD only, and OPD's off-policy twin
+kd_soft (RL: ``main_ppo``); KD and continued SFT (verl SFT, ``kd.py``).
 
 Every arm starts from the chosen student SFT checkpoint and shares everything but its arm
 overrides (:data:`config.ARMS`): data order (``data.seed``), rollout seeds (``rollout.seed``, one
@@ -19,7 +19,7 @@ import re
 import time
 from pathlib import Path
 
-from verl_memopd.experiment.config import ARMS, KD_ARM, ExperimentConfig, Paths, Variant
+from verl_memopd.experiment.config import ARMS, REPLAY_ARMS, SFT_ARMS, ExperimentConfig, Paths, Variant
 from verl_memopd.experiment.evaluate import eval_model
 from verl_memopd.experiment.launch import main_ppo
 from verl_memopd.experiment.launching import cpu_env, prune_checkpoints
@@ -30,9 +30,17 @@ __all__ = ["arm_command", "run_arm", "stage_arms", "stage_sweep", "check_arm_ove
 
 
 def arm_command(
-    cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, teacher, variant: Variant | None = None
+    cfg: ExperimentConfig,
+    paths: Paths,
+    arm: str,
+    seed: int,
+    student,
+    teacher,
+    variant: Variant | None = None,
+    train_file: Path | None = None,
 ) -> list[str]:
-    """The arm's ``main_ppo`` command; ``variant`` changes the lr and/or appends overrides (sweep runs)."""
+    """The arm's ``main_ppo`` command; ``variant`` changes the lr and/or appends overrides (sweep runs);
+    ``train_file`` replaces the split's train episodes (a replay arm's: :func:`kd.replay_file`)."""
     a = cfg.arms
     lr = variant.lr if variant is not None and variant.lr is not None else a.lr
     run_dir = paths.arm(arm, seed) if variant is None else paths.sweep_run(variant.name, arm, seed)
@@ -40,7 +48,7 @@ def arm_command(
         f"actor_rollout_ref.model.path={student}",
         f"memopd.teacher.path={teacher}",
         "ray_kwargs.ray_init.num_gpus=2",
-        f"data.train_files={paths.data / 'train.parquet'}",
+        f"data.train_files={train_file or paths.data / 'train.parquet'}",
         f"data.val_files={paths.data / 'val.parquet'}",
         f"data.train_batch_size={a.episodes_per_step}",
         f"data.val_batch_size={cfg.n_val}",
@@ -129,7 +137,13 @@ def run_arm(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, t
     if (run_dir / "DONE.json").is_file():
         return print(f"[experiment] arm {arm} seed {seed}: done", flush=True)
     a = cfg.arms
-    final = _train(cfg, paths, run_dir, f"arm {arm} seed {seed}", arm_command(cfg, paths, arm, seed, student, teacher))
+    train_file = None
+    if arm in REPLAY_ARMS:
+        from verl_memopd.experiment.kd import replay_file
+
+        train_file = replay_file(cfg, paths, seed, teacher)
+    command = arm_command(cfg, paths, arm, seed, student, teacher, train_file=train_file)
+    final = _train(cfg, paths, run_dir, f"arm {arm} seed {seed}", command)
     done = _done(run_dir, final)
     if cfg.heldout:
         from verl_memopd.experiment.heldout import arm_heldout_kl
@@ -153,9 +167,9 @@ def run_arm(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, t
 
 
 def stage_arms(cfg: ExperimentConfig, paths: Paths) -> None:
-    from verl_memopd.experiment.kd import run_kd_arm
+    from verl_memopd.experiment.kd import run_sft_arm
 
-    check_arm_overrides(tuple(a for a in cfg.arms.arms if a != KD_ARM))
+    check_arm_overrides(tuple(a for a in cfg.arms.arms if a not in SFT_ARMS))
     student, teacher = start_models(cfg, paths)
     from verl_memopd.experiment.report import stage_report
 
@@ -164,8 +178,8 @@ def stage_arms(cfg: ExperimentConfig, paths: Paths) -> None:
             if (paths.arm(arm, seed) / "DONE.json").is_file():
                 print(f"[experiment] arm {arm} seed {seed}: done", flush=True)
                 continue
-            if arm == KD_ARM:
-                run_kd_arm(cfg, paths, seed, student, teacher)
+            if arm in SFT_ARMS:
+                run_sft_arm(cfg, paths, arm, seed, student, teacher)
             else:
                 run_arm(cfg, paths, arm, seed, student, teacher)
             stage_report(cfg, paths)  # the results folder holds every finished arm's rows as soon as it is done

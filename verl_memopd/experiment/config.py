@@ -19,7 +19,8 @@ __all__ = [
     "SweepConfig",
     "ExperimentConfig",
     "ARMS",
-    "KD_ARM",
+    "SFT_ARMS",
+    "REPLAY_ARMS",
     "EXPERIMENTS",
     "full_config",
     "smoke_config",
@@ -28,19 +29,33 @@ __all__ = [
     "Paths",
 ]
 
-#: arm name -> Hydra overrides on top of the shared arm command (everything else matched); every arm but
-#: :data:`KD_ARM` is one ``main_ppo`` run
+#: arm name -> Hydra overrides on top of the shared arm command (everything else matched); the arms of
+#: :data:`SFT_ARMS` are verl SFT runs instead (``experiment/kd.py``), every other arm is one ``main_ppo`` run
 ARMS: dict[str, tuple[str, ...]] = {
     "memopd": ("memopd.teacher.state=aligned", "memopd.layout=packed"),
     "flat": ("memopd.teacher.state=flat", "memopd.layout=packed"),
     "ppo": ("memopd.distill.coef=0",),
     # on-policy distillation alone: the aligned teacher's reverse KL, no PPO term (the critic still runs, matched)
     "opd": ("memopd.teacher.state=aligned", "memopd.layout=packed", "memopd.ppo_coef=0"),
+    # OPD's off-policy twin: the same trainer and loss on the teacher's own greedy trajectories of the same episodes,
+    # replayed by memopd_replay_agent (agent/replay.py) in verl's order of them (data.shuffle=false on a file already
+    # in that order, kd.py); the replayed tokens have no rollout log-probs, so the actor recomputes the old ones
+    "kd_soft": (
+        "memopd.teacher.state=aligned",
+        "memopd.layout=packed",
+        "memopd.ppo_coef=0",
+        "algorithm.rollout_correction.bypass_mode=false",
+        "data.shuffle=false",
+    ),
     # off-policy KD: verl's SFT trainer on the teacher's own greedy trajectories of the same episodes (kd.py)
     "kd": (),
+    # continued SFT: verl's SFT trainer on the oracle's calls of the same episodes (kd.py)
+    "sft": (),
 }
-#: the arm that is not an RL run (SFT on the teacher's trajectories; see ``experiment/kd.py``)
-KD_ARM = "kd"
+#: the arms that are verl SFT runs, not RL (``experiment/kd.py``): the data each trains on
+SFT_ARMS = {"kd": "the teacher's greedy trajectories", "sft": "the oracle's calls"}
+#: the RL arms whose training episodes are replayed trajectories (their train file: ``kd.replay_file``)
+REPLAY_ARMS = ("kd_soft",)
 
 
 @dataclass(frozen=True)
@@ -332,7 +347,8 @@ def smollm2_horizon_config() -> ExperimentConfig:
         teacher_sft=replace(base.teacher_sft, steps=300, warmup_steps=4),
         student_eval_steps=(),
         student_f1_band=None,
-        arms=replace(base.arms, arms=("memopd", "opd", "kd", "flat")),
+        # the summary line's arms (horizon.SUMMARY_ARMS); PPO alone is settled at T=3 (results/cpu_smollm2)
+        arms=replace(base.arms, arms=("memopd", "opd", "kd_soft", "kd", "sft", "flat")),
     )
 
 
@@ -384,6 +400,11 @@ class Paths:
 
     def arm(self, arm: str, seed: int) -> Path:
         return self._scoped(self.root / "arms") / f"{arm}_seed{seed}"
+
+    def teacher_trajectories(self, seed: int) -> Path:
+        """The teacher's greedy trajectories of the arms' training episodes at ``seed`` (kd and kd_soft train on
+        them)."""
+        return self._scoped(self.root / "teacher_trajectories") / f"seed{seed}"
 
     def sweep_run(self, variant: str, arm: str, seed: int) -> Path:
         return self._scoped(self.root / "sweep") / f"{variant}_{arm}_seed{seed}"

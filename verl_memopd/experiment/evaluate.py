@@ -16,10 +16,15 @@ answers the final memory still holds (``memory_recall``) and how often a memory 
 (``memory_truncated``), so a drop in F1 can be traced to the memory or to the answer call; and each
 model's accuracy per call given the oracle's state (``calls.py``), so it can be traced to a call.
 Results: ``diagnose/<model>_val.json``, ``diagnose/<model>_calls.json``.
+
+Every eval also keeps its per-episode scores (``episodes`` in its JSON: one ``{"f1", "em", "input_sha"}`` per
+episode, in the split's order), read from verl's own validation dump (``trainer.validation_data_dir``): the paired
+statistics of the report (``report.paired_difference``) compare arms episode by episode.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -41,7 +46,7 @@ __all__ = [
     "EvalResult",
 ]
 
-EvalResult = dict  # {"role", "step", "split", "f1", "em", "wall_s", "model"} (+ "memory_recall", "memory_truncated")
+EvalResult = dict  # {"role", "step", "split", "f1", "em", "wall_s", "model", "episodes"} (+ memory diagnostics)
 
 
 def eval_command(model: Path, val_file: Path, workdir: Path, val_batch: int) -> list[str]:
@@ -64,18 +69,48 @@ def eval_command(model: Path, val_file: Path, workdir: Path, val_batch: int) -> 
         "trainer.save_freq=-1",
         "trainer.test_freq=-1",
         f"trainer.default_local_dir={workdir / 'checkpoints'}",
+        f"trainer.validation_data_dir={workdir / 'generations'}",
         f"trainer.experiment_name=eval_{workdir.name}",
     )
+
+
+def episode_scores(dump_dir: Path, n: int) -> list[dict]:
+    """The per-episode scores of one validation from verl's dump (``<step>.jsonl`` under ``dump_dir``, one line per
+    sample: ``input`` (the decoded prompt), ``score`` and the agent's reward_extra_info ``f1``, ``em``): one
+    ``{"f1", "em", "input_sha"}`` per episode, in the dump's order (the split's: verl's validation does not shuffle).
+    ``input_sha`` (the first 16 hex digits of the input's SHA-256) lets a paired comparison check that two evals
+    list the same episodes in the same order. Raises unless there is exactly one dump of ``n`` samples."""
+    dumps = sorted(dump_dir.glob("*.jsonl"))
+    if len(dumps) != 1:
+        raise RuntimeError(f"{dump_dir}: expected one validation dump (<step>.jsonl), found {[d.name for d in dumps]}")
+    lines = [json.loads(line) for line in dumps[0].read_text().splitlines() if line.strip()]
+    if len(lines) != n:
+        raise RuntimeError(f"{dumps[0]}: {len(lines)} samples, the split has {n} episodes")
+    return [
+        {
+            "f1": float(x["f1"]),
+            "em": float(x["em"]),
+            "input_sha": hashlib.sha256(x["input"].encode()).hexdigest()[:16],
+        }
+        for x in lines
+    ]
 
 
 def eval_model(
     model: Path, split_file: Path, out_json: Path, cfg: ExperimentConfig, paths: Paths, meta: dict
 ) -> EvalResult:
-    """Run one eval (or read it back if ``out_json`` exists); ``meta`` is stored with the scores."""
+    """Run one eval (or read it back if ``out_json`` exists and has its per-episode scores); ``meta`` is stored with
+    the scores. An ``out_json`` from before per-episode scores were kept is measured again (a paired comparison
+    needs them)."""
     if out_json.is_file():
-        return json.loads(out_json.read_text())
+        cached = json.loads(out_json.read_text())
+        if "episodes" in cached:
+            return cached
+        print(f"[experiment] eval {out_json.stem}: cached without per-episode scores; measuring it again", flush=True)
     workdir = out_json.with_suffix("")
     n = cfg.n_val if "val" in split_file.name else cfg.n_test
+    for stale in (workdir / "generations").glob("*.jsonl"):
+        stale.unlink()  # a dump of an interrupted attempt
     print(
         f"[experiment {time.strftime('%H:%M:%S')}] eval {out_json.stem}: {n} episodes of {split_file.name}, "
         f"{model} (ETA ~{60 + 3 * n:.0f} s alone, after the heavy lock)",
@@ -93,7 +128,8 @@ def eval_model(
     scores = val_scores(parse_steps(read_log(log)).get(0, {}))
     if scores is None:
         raise RuntimeError(f"{log}: verl printed no validation F1 (val-*/memopd_memory/*/f1/mean@1) at step 0")
-    result = {**meta, **scores, "wall_s": round(wall, 1), "model": str(model)}
+    episodes = episode_scores(workdir / "generations", n)
+    result = {**meta, **scores, "wall_s": round(wall, 1), "model": str(model), "episodes": episodes}
     out_json.write_text(json.dumps(result, indent=1) + "\n")
     print(f"[experiment] eval {out_json.stem}: F1={scores['f1']:.4f} EM={scores['em']:.4f} ({wall:.0f}s)", flush=True)
     return result

@@ -22,11 +22,13 @@ COLORS = {
     "flat": "tab:orange",
     "ppo": "tab:green",
     "opd": "tab:purple",
+    "kd_soft": "tab:red",
     "kd": "tab:brown",
+    "sft": "tab:olive",
     "teacher": "black",
     "student": "tab:gray",
 }
-ARMS = ("memopd", "flat", "ppo", "opd", "kd")
+ARMS = ("memopd", "flat", "ppo", "opd", "kd_soft", "kd", "sft")
 
 
 def band(rows: list[dict], arm: str, split: str, key: str) -> tuple[list[int], list[float], list[float], list[float]]:

@@ -3,8 +3,8 @@
 The CSV is rebuilt from scratch each time (eval JSONs, arm logs), so a resumed run never holds
 duplicates. One row per (arm, seed, step, split):
 
-    arm      teacher | student (SFT checkpoints; step = SFT step) | memopd | flat | ppo | opd (RL; step = RL step)
-             | kd (SFT on the teacher's trajectories; step = optimizer step)
+    arm      teacher | student (SFT checkpoints; step = SFT step) | memopd | flat | ppo | opd | kd_soft (RL; step =
+             RL step) | kd (SFT on the teacher's trajectories) | sft (SFT on the oracle's calls; step = optimizer step)
     split    val | test: F1/EM of verl's greedy validation (the real agent loop) on that split;
              train: one RL step (f1 = mean F1 of the step's sampled episodes, ``critic/score/mean``);
              heldout: reverse_kl = KL(model || teacher) on the fixed held-out rollouts (``heldout.py``; step 0 =
@@ -14,6 +14,9 @@ duplicates. One row per (arm, seed, step, split):
     wall_s   train/val rows: training seconds so far (sum of timing_s/step); test and SFT-eval rows:
              wall seconds of the eval (test rows of arms: of the whole arm run, startup included)
 
+``episodes.csv``: one row per test episode of every test eval (:data:`EPISODE_COLUMNS`), the input of the paired
+statistics (``horizon.py``); a several-preset experiment also gets combined ``metrics.csv`` / ``episodes.csv`` at the
+top of its results folder (:data:`HORIZON_COLUMNS`, :data:`HORIZON_EPISODE_COLUMNS`).
 ``handoff.csv`` (the eval stage, ``heldout.py``): val F1 when the teacher takes over from the start student at
 call t. ``experiment.json``: the experiment's name, base model, arms, seeds and steps (the summary line's
 ``model=``), and each finished run's ``DONE.json`` record (``runs``: wall seconds, test F1, attempts, the step a
@@ -32,18 +35,25 @@ import math
 import statistics
 from pathlib import Path
 
-from verl_memopd.experiment.config import ARMS, KD_ARM, ExperimentConfig, Paths
+from verl_memopd.experiment.config import ARMS, SFT_ARMS, ExperimentConfig, Paths
 from verl_memopd.experiment.launch import read_log, val_scores
 from verl_memopd.experiment.launching import parse_steps
 
 __all__ = [
     "COLUMNS",
+    "EPISODE_COLUMNS",
+    "HORIZON_COLUMNS",
+    "HORIZON_EPISODE_COLUMNS",
     "DIAGNOSTIC_COLUMNS",
     "CALL_COLUMNS",
     "collect_rows",
     "collect_sweep_rows",
     "write_metrics",
     "read_metrics",
+    "collect_episode_rows",
+    "write_episodes",
+    "read_episodes",
+    "write_combined",
     "read_experiment",
     "summary_lines",
     "markdown_lines",
@@ -54,6 +64,14 @@ __all__ = [
 ]
 
 COLUMNS = ("arm", "seed", "step", "split", "f1", "em", "reverse_kl", "teacher_aligned_vs_flat_kl", "wall_s")
+#: episodes.csv: one row per test episode of every test eval (the start student and the teacher at seed 0, each arm
+#: at each of its seeds), in the split's order; ``input_sha`` identifies the episode (``evaluate.episode_scores``)
+EPISODE_COLUMNS = ("arm", "seed", "episode", "f1", "em", "input_sha")
+#: a several-preset experiment's combined files at the top of its results folder: the preset and its horizon (memory
+#: calls) first
+HORIZON_PREFIX = ("preset", "horizon")
+HORIZON_COLUMNS = (*HORIZON_PREFIX, *COLUMNS)
+HORIZON_EPISODE_COLUMNS = (*HORIZON_PREFIX, *EPISODE_COLUMNS)
 Row = dict
 DIAGNOSTIC_COLUMNS = ("model", "split", "f1", "em", "memory_recall", "memory_truncated")
 #: call_accuracy.csv: per call index given the oracle's state (val traces; calls.py), exact replies and oracle lines
@@ -120,13 +138,13 @@ def _arm_rows(arm: str, seed: int, run_dir: Path) -> list[Row]:
     return rows + _test_rows(arm, seed, run_dir)
 
 
-def _kd_rows(seed: int, run_dir: Path) -> list[Row]:
-    """The KD arm's val evals at its saved steps and its test eval (``kd.py``)."""
+def _sft_arm_rows(arm: str, seed: int, run_dir: Path) -> list[Row]:
+    """An SFT arm's val evals at its saved steps and its test eval (``kd.py``)."""
     rows = []
     for path in sorted(run_dir.glob("val_step*.json"), key=lambda f: int(f.stem.removeprefix("val_step"))):
         r = json.loads(path.read_text())
-        rows.append(_row(KD_ARM, seed, r["step"], "val", r["f1"], r["em"], wall_s=r["wall_s"]))
-    return rows + _test_rows(KD_ARM, seed, run_dir)
+        rows.append(_row(arm, seed, r["step"], "val", r["f1"], r["em"], wall_s=r["wall_s"]))
+    return rows + _test_rows(arm, seed, run_dir)
 
 
 def _heldout_rows(arm: str, seed: int, run_dir: Path, start: Path) -> list[Row]:
@@ -149,7 +167,7 @@ def collect_rows(cfg: ExperimentConfig, paths: Paths) -> list[Row]:
     for seed in cfg.arms.seeds:
         for arm in cfg.arms.arms:
             run_dir = paths.arm(arm, seed)
-            rows += _kd_rows(seed, run_dir) if arm == KD_ARM else _arm_rows(arm, seed, run_dir)
+            rows += _sft_arm_rows(arm, seed, run_dir) if arm in SFT_ARMS else _arm_rows(arm, seed, run_dir)
             if run_dir.is_dir():
                 rows += _heldout_rows(arm, seed, run_dir, paths.evals() / "heldout_kl_student.json")
     produced = {(r["arm"], r["seed"]) for r in rows}
@@ -167,15 +185,12 @@ def collect_sweep_rows(cfg: ExperimentConfig, paths: Paths) -> list[Row]:
     return rows
 
 
+def _cell(x) -> str:
+    return "" if x is None else (f"{x:.6g}" if isinstance(x, float) else x)
+
+
 def write_metrics(rows: list[Row], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        for r in rows:
-            w.writerow(
-                {k: ("" if r[k] is None else (f"{r[k]:.6g}" if isinstance(r[k], float) else r[k])) for k in COLUMNS}
-            )
+    _write(rows, path, COLUMNS)
 
 
 def read_metrics(path: Path) -> list[Row]:
@@ -191,6 +206,91 @@ def read_metrics(path: Path) -> list[Row]:
                 out[k] = float(r[k]) if r[k] != "" else None
             rows.append(out)
     return rows
+
+
+def _eval_episodes(path: Path, arm: str, seed: int) -> list[dict]:
+    """The per-episode rows of one eval JSON (``evaluate.eval_model``); [] if absent or from before they were kept."""
+    if not path.is_file():
+        return []
+    result = json.loads(path.read_text())
+    return [
+        {"arm": arm, "seed": seed, "episode": i, "f1": e["f1"], "em": e["em"], "input_sha": e["input_sha"]}
+        for i, e in enumerate(result.get("episodes", []))
+    ]
+
+
+def collect_episode_rows(cfg: ExperimentConfig, paths: Paths) -> list[dict]:
+    """Every test eval's episodes in this run folder (the final teacher and the RL start at seed 0, each arm at each
+    seed), plus the committed ``episodes.csv`` rows of each (arm, seed) this folder has nothing for (as
+    ``report.collect_rows`` keeps committed metrics)."""
+    rows = []
+    for role in ("student", "teacher"):
+        for path in sorted(paths.evals().glob(f"{role}_step*_test.json")):
+            rows += _eval_episodes(path, role, 0)
+    for seed in cfg.arms.seeds:
+        for arm in cfg.arms.arms:
+            rows += _eval_episodes(paths.arm(arm, seed) / "test.json", arm, seed)
+    produced = {(r["arm"], r["seed"]) for r in rows}
+    committed = read_episodes(paths.results / "episodes.csv") if (paths.results / "episodes.csv").is_file() else []
+    return rows + [r for r in committed if (r["arm"], r["seed"]) not in produced]
+
+
+def _write(rows: list[dict], path: Path, columns: tuple[str, ...]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: _cell(r[k]) for k in columns})
+
+
+def write_episodes(rows: list[dict], path: Path) -> None:
+    _write(rows, path, EPISODE_COLUMNS)
+
+
+def read_episodes(path: Path) -> list[dict]:
+    """``episodes.csv`` (one preset's, :data:`EPISODE_COLUMNS`) or the combined one (:data:`HORIZON_EPISODE_COLUMNS`)
+    back as rows with numbers; checks the header."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        header = tuple(reader.fieldnames or ())
+        if header not in (EPISODE_COLUMNS, HORIZON_EPISODE_COLUMNS):
+            raise ValueError(f"{path}: columns {list(header)}, expected {list(EPISODE_COLUMNS)} (or with preset)")
+        rows = []
+        for r in reader:
+            row = {"arm": r["arm"], "seed": int(r["seed"]), "episode": int(r["episode"]), "input_sha": r["input_sha"]}
+            row.update(f1=float(r["f1"]), em=float(r["em"]))
+            if "preset" in r:
+                row.update(preset=r["preset"], horizon=int(r["horizon"]))
+            rows.append(row)
+    return rows
+
+
+def preset_horizon(preset: str) -> int:
+    """The number of memory calls of a task preset."""
+    from verl_memopd.tasks.generator import get_preset
+
+    return get_preset(preset).config.n_chunks
+
+
+def write_combined(cfg: ExperimentConfig, paths: Paths) -> tuple[Path, Path]:
+    """The experiment's combined ``metrics.csv`` and ``episodes.csv`` (every preset's, with its preset and horizon
+    first) and an ``experiment.json`` (name, base model, presets) at the top of the results folder; ``paths`` may be
+    scoped to any preset. Presets without results yet are left out."""
+    top = Paths(paths.root, paths.results_root)
+    metrics, episodes = [], []
+    for preset in cfg.presets:
+        scoped = top.at(preset)
+        extra = {"preset": preset, "horizon": preset_horizon(preset)}
+        if scoped.metrics_csv.is_file():
+            metrics += [{**extra, **r} for r in read_metrics(scoped.metrics_csv)]
+        if (scoped.results / "episodes.csv").is_file():
+            episodes += [{**extra, **r} for r in read_episodes(scoped.results / "episodes.csv")]
+    _write(metrics, top.metrics_csv, HORIZON_COLUMNS)
+    _write(episodes, top.results / "episodes.csv", HORIZON_EPISODE_COLUMNS)
+    meta = {"name": cfg.name, "base_model": cfg.base_model, "presets": list(cfg.presets)}
+    (top.results / "experiment.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return top.metrics_csv, top.results / "episodes.csv"
 
 
 def _final(rows: list[Row], arm: str, split: str) -> dict[int, Row]:
@@ -243,7 +343,9 @@ ARM_LABELS = {
     "flat": "persistent-history teacher (`memopd.teacher.state=flat`)",
     "ppo": "PPO alone (`memopd.distill.coef=0`)",
     "opd": "OPD alone (`memopd.ppo_coef=0`)",
+    "kd_soft": "off-policy OPD (the same loss on the teacher's greedy trajectories, replayed)",
     "kd": "off-policy KD (verl SFT on the teacher's greedy trajectories)",
+    "sft": "continued SFT (verl SFT on the oracle's calls)",
 }
 
 
@@ -439,4 +541,11 @@ def stage_report(cfg: ExperimentConfig, paths: Paths) -> None:
     handoff = _write_handoff(paths)
     if handoff:
         print("\n".join(handoff))
+    write_episodes(collect_episode_rows(cfg, paths), paths.results / "episodes.csv")
     print("\n".join(summary_lines(rows, cfg.base_model)), flush=True)
+    if len(cfg.presets) > 1:
+        from verl_memopd.experiment.horizon import horizon_summary_lines
+
+        metrics, episodes = write_combined(cfg, paths)
+        print(f"[experiment] every preset: {metrics}, {episodes}")
+        print("\n".join(horizon_summary_lines(read_episodes(episodes), cfg.base_model)), flush=True)
