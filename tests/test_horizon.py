@@ -175,3 +175,24 @@ def test_replay_and_oracle_rows_are_the_arms_episodes(tmp_path):
         f"{order[1]}/0",
         f"{order[1]}/1",
     ]
+
+
+@pytest.mark.slow
+def test_an_eval_keeps_per_episode_scores_that_average_to_its_f1(tmp_path, tiny_models):
+    """One real eval (verl validation, Ray + vLLM-CPU, the tiny student; ~2 min alone): its per-episode scores, read
+    from verl's dump, are one per episode and average to the F1 verl logged."""
+    from verl_memopd.experiment.config import smoke_config
+    from verl_memopd.experiment.evaluate import eval_model
+
+    data = tmp_path / "data"
+    build = [sys.executable, "-m", "verl_memopd.tasks", "build", "--out", str(data), "--preset", "tiny", "--seed", "0"]
+    sizes = ["--n-train", "4", "--n-val", "4", "--n-test", "4"]
+    subprocess.run(build + sizes, check=True, capture_output=True, timeout=300)
+    cfg = smoke_config()
+    out = tmp_path / "eval" / "student_val.json"
+    out.parent.mkdir()
+    result = eval_model(tiny_models.student, data / "val.parquet", out, cfg, Paths(tmp_path, tmp_path / "results"), {})
+    episodes = result["episodes"]
+    assert len(episodes) == cfg.n_val and len({e["input_sha"] for e in episodes}) == cfg.n_val
+    assert sum(e["f1"] for e in episodes) / len(episodes) == pytest.approx(result["f1"], abs=1e-6)
+    assert json.loads(out.read_text())["episodes"] == episodes
