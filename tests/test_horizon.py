@@ -123,6 +123,38 @@ def test_combined_files_and_the_summary_command(tmp_path):
     assert all(SUMMARY_LINE.fullmatch(line) for line in lines) and "model=smollm2" in lines[0]
 
 
+def test_drift_rows_and_the_horizon_figure(tmp_path):
+    from verl_memopd.experiment.horizon import mean_interval
+    from verl_memopd.experiment.plot import plot_horizon
+    from verl_memopd.experiment.report import collect_drift_rows, read_drift
+
+    cfg = smollm2_horizon_config()
+    paths = Paths(tmp_path / "runs", tmp_path / "results").at("h3")
+    paths.evals().mkdir(parents=True)
+    start = {"step": 0, "heldout_reverse_kl": 0.3, "heldout_reverse_kl_by_call": {"1": 0.4, "0": 0.2}}
+    (paths.evals() / "heldout_kl_student.json").write_text(json.dumps(start))
+    paths.arm("opd", 1).mkdir(parents=True)
+    arm = {"step": 10, "heldout_reverse_kl": 0.1, "heldout_reverse_kl_by_call": {"0": 0.05, "1": 0.15}}
+    (paths.arm("opd", 1) / "heldout_kl_step10.json").write_text(json.dumps(arm))
+    rows = collect_drift_rows(cfg, paths)
+    assert [(r["arm"], r["seed"], r["step"], r["call"], r["reverse_kl"]) for r in rows] == [
+        ("student", 0, 0, 0, 0.2),
+        ("student", 0, 0, 1, 0.4),
+        ("opd", 1, 10, 0, 0.05),
+        ("opd", 1, 10, 1, 0.15),
+    ]
+    episodes = [{**r, "horizon": 3} for r in _episodes("opd", (0, 1), [0.5, 0.7]) + _episodes("teacher", (0,), [1.0])]
+    mean, lo, hi, seeds = mean_interval(episodes, "opd")
+    assert (mean, seeds) == (pytest.approx(0.6), 2) and 0.5 <= lo <= mean <= hi <= 0.7
+    out = plot_horizon(episodes, [{**r, "horizon": 3} for r in rows], tmp_path / "f1_vs_horizon.png")
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert plot_horizon([], [], tmp_path / "empty.png").is_file()  # nothing measured yet: labelled panels
+    from verl_memopd.experiment.report import DRIFT_COLUMNS, _write
+
+    _write(rows, tmp_path / "drift.csv", DRIFT_COLUMNS)
+    assert read_drift(tmp_path / "drift.csv") == rows
+
+
 def test_the_horizon_experiment_runs_every_arm_of_the_summary():
     cfg = smollm2_horizon_config()
     assert set(cfg.arms.arms) == set(SUMMARY_ARMS) and set(SFT_ARMS) <= set(ARMS)

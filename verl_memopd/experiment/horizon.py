@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 
-__all__ = ["SUMMARY_ARMS", "DIFFERENCES", "paired_difference", "horizon_summary_lines"]
+__all__ = ["SUMMARY_ARMS", "DIFFERENCES", "paired_difference", "mean_interval", "horizon_summary_lines"]
 
 #: the arms of the summary line, in its order
 SUMMARY_ARMS = ("memopd", "opd", "kd_soft", "kd", "sft", "flat")
@@ -30,6 +30,34 @@ def _by_seed(rows: list[dict], arm: str) -> dict[int, list[dict]]:
     for r in sorted((r for r in rows if r["arm"] == arm), key=lambda r: (r["seed"], r["episode"])):
         out.setdefault(r["seed"], []).append(r)
     return out
+
+
+def _bootstrap(grid, replicates: int = BOOTSTRAP_REPLICATES) -> tuple[float, float]:
+    """95% percentile interval of the mean of ``grid`` (seeds, episodes) when seeds and episodes are resampled."""
+    import numpy as np
+
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    n_s, n_e = grid.shape
+    reps = np.empty(replicates)
+    for i in range(replicates):
+        reps[i] = grid[np.ix_(rng.integers(0, n_s, n_s), rng.integers(0, n_e, n_e))].mean()
+    lo, hi = np.percentile(reps, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def mean_interval(rows: list[dict], arm: str) -> tuple[float, float, float, int] | None:
+    """Mean test F1 of ``arm`` over its seeds and episodes, its 95% bootstrap interval (seeds and episodes
+    resampled), and its number of seeds; None without rows. Every seed must list the same episodes."""
+    import numpy as np
+
+    per_seed = _by_seed(rows, arm)
+    if not per_seed:
+        return None
+    lengths = {len(eps) for eps in per_seed.values()}
+    if len(lengths) != 1:
+        raise ValueError(f"{arm}: its seeds were evaluated on different numbers of test episodes {sorted(lengths)}")
+    grid = np.array([[r["f1"] for r in eps] for eps in per_seed.values()])
+    return (float(grid.mean()), *_bootstrap(grid), len(per_seed))
 
 
 def paired_difference(rows: list[dict], a: str, b: str) -> tuple[float, float, float, int] | None:
@@ -51,13 +79,7 @@ def paired_difference(rows: list[dict], a: str, b: str) -> tuple[float, float, f
                     f"than {a} seed {seeds[0]}"
                 )
     d = np.array([[x["f1"] - y["f1"] for x, y in zip(ea[s], eb[s])] for s in seeds])  # (seeds, episodes)
-    rng = np.random.default_rng(BOOTSTRAP_SEED)
-    n_s, n_e = d.shape
-    reps = np.empty(BOOTSTRAP_REPLICATES)
-    for i in range(BOOTSTRAP_REPLICATES):
-        reps[i] = d[np.ix_(rng.integers(0, n_s, n_s), rng.integers(0, n_e, n_e))].mean()
-    lo, hi = np.percentile(reps, [2.5, 97.5])
-    return float(d.mean()), float(lo), float(hi), n_s
+    return (float(d.mean()), *_bootstrap(d), len(seeds))
 
 
 def _fmt(x: float | None) -> str:

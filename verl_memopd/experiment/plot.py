@@ -8,6 +8,10 @@ Five panels:
   4. held-out reverse KL vs step: every arm on one fixed set of the start student's rollouts;
   5. the teacher from the student's state: val F1 when the teacher takes over at call t (``handoff.csv``).
 A panel with no data yet says so (a partial run still produces the picture).
+
+``f1_vs_horizon.png`` (:func:`plot_horizon`, a several-preset experiment): test F1 of the teacher, the start and each
+arm vs the horizon T (mean over seeds and episodes, 95% bootstrap interval), then one panel per T with the held-out
+reverse KL by call index (the drift along the episode) of the start and each arm's final model.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-__all__ = ["band", "plot_metrics"]
+__all__ = ["band", "plot_metrics", "plot_horizon"]
 
 COLORS = {
     "memopd": "tab:blue",
@@ -140,6 +144,62 @@ def plot_metrics(rows: list[dict], out: Path, handoff: dict[int, float] | None =
         ylabel="val F1",
     )
 
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def plot_horizon(episodes: list[dict], drift: list[dict], out: Path) -> Path:
+    """Draw ``f1_vs_horizon.png`` (module docstring) from the combined ``episodes.csv`` and ``drift.csv`` rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from verl_memopd.experiment.horizon import mean_interval
+
+    horizons = sorted({r["horizon"] for r in episodes} | {r["horizon"] for r in drift})
+    fig, axes = plt.subplots(1, 1 + max(len(horizons), 1), figsize=(5 * (1 + max(len(horizons), 1)), 4.5))
+    ax_f1, kl_axes = axes[0], axes[1:]
+    models = ("teacher", "student", *ARMS)
+    for k, model in enumerate(models):
+        points = [(t, mean_interval([r for r in episodes if r["horizon"] == t], model)) for t in horizons]
+        points = [(t, m) for t, m in points if m is not None]
+        if not points:
+            continue
+        x = [t + 0.08 * (k - len(models) / 2) for t, _ in points]  # side by side at each T
+        mean = [m[0] for _, m in points]
+        err = [[m[0] - m[1] for _, m in points], [m[2] - m[0] for _, m in points]]
+        style = "--" if model in ("teacher", "student") else "-"
+        label = "start" if model == "student" else model
+        ax_f1.errorbar(x, mean, yerr=err, fmt="o" + style, color=COLORS[model], label=label, capsize=3)
+    ax_f1.set(title="test F1 vs horizon (95% bootstrap, seeds x episodes)", xlabel="memory calls T", ylabel="test F1")
+    ax_f1.set(xticks=horizons, ylim=(0, 1))
+    if ax_f1.lines:
+        ax_f1.legend(fontsize=8)
+    else:
+        _empty(ax_f1, "test F1")
+    for ax, t in zip(kl_axes, horizons or [None]):
+        rows = [r for r in drift if r["horizon"] == t]
+        for model in ("student", *ARMS):
+            mine = [r for r in rows if r["arm"] == model]
+            if not mine:
+                continue
+            last = max(r["step"] for r in mine)
+            by_call: dict[int, list[float]] = defaultdict(list)
+            for r in mine:
+                if r["step"] == last:
+                    by_call[r["call"]].append(r["reverse_kl"])
+            calls = sorted(by_call)
+            label = "start" if model == "student" else f"{model} (step {last})"
+            ax.plot(calls, [sum(by_call[c]) / len(by_call[c]) for c in calls], "o-", color=COLORS[model], label=label)
+        ax.set(title=f"T={t}: held-out KL by call (start's rollouts)", xlabel="call index", ylabel="KL, nats/token")
+        if ax.lines:
+            ax.legend(fontsize=8)
+        else:
+            _empty(ax, "held-out KL by call")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)

@@ -14,9 +14,10 @@ duplicates. One row per (arm, seed, step, split):
     wall_s   train/val rows: training seconds so far (sum of timing_s/step); test and SFT-eval rows:
              wall seconds of the eval (test rows of arms: of the whole arm run, startup included)
 
-``episodes.csv``: one row per test episode of every test eval (:data:`EPISODE_COLUMNS`), the input of the paired
-statistics (``horizon.py``); a several-preset experiment also gets combined ``metrics.csv`` / ``episodes.csv`` at the
-top of its results folder (:data:`HORIZON_COLUMNS`, :data:`HORIZON_EPISODE_COLUMNS`).
+``drift.csv``: held-out reverse KL by call index (:data:`DRIFT_COLUMNS`). ``episodes.csv``: one row per test
+episode of every test eval (:data:`EPISODE_COLUMNS`), the input of the paired statistics (``horizon.py``). A
+several-preset experiment also gets the combined ``metrics.csv`` / ``episodes.csv`` / ``drift.csv`` at the top of
+its results folder (the preset and horizon first) and ``f1_vs_horizon.png``.
 ``handoff.csv`` (the eval stage, ``heldout.py``): val F1 when the teacher takes over from the start student at
 call t. ``experiment.json``: the experiment's name, base model, arms, seeds and steps (the summary line's
 ``model=``), and each finished run's ``DONE.json`` record (``runs``: wall seconds, test F1, attempts, the step a
@@ -54,6 +55,9 @@ __all__ = [
     "write_episodes",
     "read_episodes",
     "write_combined",
+    "DRIFT_COLUMNS",
+    "collect_drift_rows",
+    "read_drift",
     "read_experiment",
     "summary_lines",
     "markdown_lines",
@@ -72,6 +76,10 @@ EPISODE_COLUMNS = ("arm", "seed", "episode", "f1", "em", "input_sha")
 HORIZON_PREFIX = ("preset", "horizon")
 HORIZON_COLUMNS = (*HORIZON_PREFIX, *COLUMNS)
 HORIZON_EPISODE_COLUMNS = (*HORIZON_PREFIX, *EPISODE_COLUMNS)
+#: drift.csv: the held-out reverse KL by call index (``heldout.py``: KL(model || teacher) on the start student's fixed
+#: val rollouts), for the start (arm ``student``, step 0) and each arm's saved steps
+DRIFT_COLUMNS = ("arm", "seed", "step", "call", "reverse_kl")
+HORIZON_DRIFT_COLUMNS = (*HORIZON_PREFIX, *DRIFT_COLUMNS)
 Row = dict
 DIAGNOSTIC_COLUMNS = ("model", "split", "f1", "em", "memory_recall", "memory_truncated")
 #: call_accuracy.csv: per call index given the oracle's state (val traces; calls.py), exact replies and oracle lines
@@ -235,6 +243,49 @@ def collect_episode_rows(cfg: ExperimentConfig, paths: Paths) -> list[dict]:
     return rows + [r for r in committed if (r["arm"], r["seed"]) not in produced]
 
 
+def _drift_rows(path: Path, arm: str, seed: int) -> list[dict]:
+    if not path.is_file():
+        return []
+    r = json.loads(path.read_text())
+    by_call = r.get("heldout_reverse_kl_by_call", {})
+    return [
+        {"arm": arm, "seed": seed, "step": r["step"], "call": int(c), "reverse_kl": kl}
+        for c, kl in sorted(by_call.items(), key=lambda kv: int(kv[0]))
+    ]
+
+
+def collect_drift_rows(cfg: ExperimentConfig, paths: Paths) -> list[dict]:
+    """drift.csv's rows (:data:`DRIFT_COLUMNS`) from this run folder's held-out KL files, plus the committed rows of
+    each (arm, seed) the folder has nothing for."""
+    rows = _drift_rows(paths.evals() / "heldout_kl_student.json", "student", 0)
+    for seed in cfg.arms.seeds:
+        for arm in cfg.arms.arms:
+            for path in sorted(paths.arm(arm, seed).glob("heldout_kl_step*.json")):
+                rows += _drift_rows(path, arm, seed)
+    produced = {(r["arm"], r["seed"]) for r in rows}
+    committed = _read(paths.results / "drift.csv", DRIFT_COLUMNS) if (paths.results / "drift.csv").is_file() else []
+    return rows + [r for r in committed if (r["arm"], r["seed"]) not in produced]
+
+
+def _read(path: Path, columns: tuple[str, ...]) -> list[dict]:
+    """A CSV of ``columns`` (or with the preset prefix) back as rows: ints and floats where they parse."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        header = tuple(reader.fieldnames or ())
+        if header not in (columns, (*HORIZON_PREFIX, *columns)):
+            raise ValueError(f"{path}: columns {list(header)}, expected {list(columns)} (or with preset, horizon)")
+        return [{k: _number(v) if k not in ("arm", "preset", "input_sha") else v for k, v in r.items()} for r in reader]
+
+
+def _number(text: str):
+    if text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
 def _write(rows: list[dict], path: Path, columns: tuple[str, ...]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
@@ -242,6 +293,11 @@ def _write(rows: list[dict], path: Path, columns: tuple[str, ...]) -> None:
         w.writeheader()
         for r in rows:
             w.writerow({k: _cell(r[k]) for k in columns})
+
+
+def read_drift(path: Path) -> list[dict]:
+    """drift.csv (one preset's or the combined one) back as rows."""
+    return _read(path, DRIFT_COLUMNS)
 
 
 def write_episodes(rows: list[dict], path: Path) -> None:
@@ -274,11 +330,11 @@ def preset_horizon(preset: str) -> int:
 
 
 def write_combined(cfg: ExperimentConfig, paths: Paths) -> tuple[Path, Path]:
-    """The experiment's combined ``metrics.csv`` and ``episodes.csv`` (every preset's, with its preset and horizon
-    first) and an ``experiment.json`` (name, base model, presets) at the top of the results folder; ``paths`` may be
-    scoped to any preset. Presets without results yet are left out."""
+    """The experiment's combined ``metrics.csv``, ``episodes.csv`` and ``drift.csv`` (every preset's, with its preset
+    and horizon first) and an ``experiment.json`` (name, base model, presets) at the top of the results folder;
+    ``paths`` may be scoped to any preset. Presets without results yet are left out."""
     top = Paths(paths.root, paths.results_root)
-    metrics, episodes = [], []
+    metrics, episodes, drift = [], [], []
     for preset in cfg.presets:
         scoped = top.at(preset)
         extra = {"preset": preset, "horizon": preset_horizon(preset)}
@@ -286,8 +342,11 @@ def write_combined(cfg: ExperimentConfig, paths: Paths) -> tuple[Path, Path]:
             metrics += [{**extra, **r} for r in read_metrics(scoped.metrics_csv)]
         if (scoped.results / "episodes.csv").is_file():
             episodes += [{**extra, **r} for r in read_episodes(scoped.results / "episodes.csv")]
+        if (scoped.results / "drift.csv").is_file():
+            drift += [{**extra, **r} for r in _read(scoped.results / "drift.csv", DRIFT_COLUMNS)]
     _write(metrics, top.metrics_csv, HORIZON_COLUMNS)
     _write(episodes, top.results / "episodes.csv", HORIZON_EPISODE_COLUMNS)
+    _write(drift, top.results / "drift.csv", HORIZON_DRIFT_COLUMNS)
     meta = {"name": cfg.name, "base_model": cfg.base_model, "presets": list(cfg.presets)}
     (top.results / "experiment.json").write_text(json.dumps(meta, indent=1) + "\n")
     return top.metrics_csv, top.results / "episodes.csv"
@@ -542,10 +601,16 @@ def stage_report(cfg: ExperimentConfig, paths: Paths) -> None:
     if handoff:
         print("\n".join(handoff))
     write_episodes(collect_episode_rows(cfg, paths), paths.results / "episodes.csv")
+    _write(collect_drift_rows(cfg, paths), paths.results / "drift.csv", DRIFT_COLUMNS)
     print("\n".join(summary_lines(rows, cfg.base_model)), flush=True)
     if len(cfg.presets) > 1:
         from verl_memopd.experiment.horizon import horizon_summary_lines
+        from verl_memopd.experiment.plot import plot_horizon
 
         metrics, episodes = write_combined(cfg, paths)
-        print(f"[experiment] every preset: {metrics}, {episodes}")
+        top = Paths(paths.root, paths.results_root)
+        figure = plot_horizon(
+            read_episodes(episodes), read_drift(top.results / "drift.csv"), top.results / "f1_vs_horizon.png"
+        )
+        print(f"[experiment] every preset: {metrics}, {episodes}, {figure}")
         print("\n".join(horizon_summary_lines(read_episodes(episodes), cfg.base_model)), flush=True)
