@@ -130,7 +130,7 @@ def eval_model(
         raise RuntimeError(f"{log}: verl printed no validation F1 (val-*/memopd_memory/*/f1/mean@1) at step 0")
     episodes = episode_scores(workdir / "generations", n)
     mean = sum(e["f1"] for e in episodes) / n
-    if abs(mean - scores["f1"]) > 1e-6:
+    if abs(mean - scores["f1"]) > 1e-4:
         raise RuntimeError(f"{workdir}: the dumped episodes' mean F1 {mean:.6f} is not verl's logged {scores['f1']}")
     result = {**meta, **scores, "wall_s": round(wall, 1), "model": str(model), "episodes": episodes}
     out_json.write_text(json.dumps(result, indent=1) + "\n")
