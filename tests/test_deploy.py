@@ -252,7 +252,7 @@ MATCHED = {
 }
 #: differ by design: a run's name and where it writes
 RUN_NAMING = {"trainer.experiment_name", "trainer.default_local_dir"}
-COMPOSED = [*MATCHED, "quickstart_cpu.sh"]
+COMPOSED = [*MATCHED, "quickstart_cpu.sh", "run_memopd_qwen2.5_0.5b_1.5b_1gpu.sh"]
 
 
 def recipe_overrides(script: str, env: dict | None = None) -> list[str]:
