@@ -34,7 +34,7 @@ from verl_memopd.bench.tiny import student_model
 from verl_memopd.fields import SEGMENT_IDS, SEGMENTS
 from verl_memopd.packing import pack_episode
 from verl_memopd.rce import TOLERANCES, EpisodeShape, random_episodes
-from verl_memopd.trainer.calls import calls_alone
+from verl_memopd.streams import calls_alone
 from verl_memopd.trainer.engine import MemopdLMEngine
 
 VOCAB = 256

@@ -16,6 +16,7 @@ from verl_memopd.fields import RCE_FIELD, RCE_TOLERANCE_FIELD, RECORD_FIELDS, SE
 from verl_memopd.packing import pack_episode
 from verl_memopd.rce import ROW_FAULTS, EpisodeShape, random_episodes, spot_check_rows
 from verl_memopd.segments import segment_meta
+from verl_memopd.streams import calls_alone
 from verl_memopd.trainer.audit import (
     RceAuditError,
     micro_batch_records,
@@ -25,7 +26,6 @@ from verl_memopd.trainer.audit import (
     stock_attention,
     teacher_layout_kl,
 )
-from verl_memopd.trainer.calls import calls_alone
 from verl_memopd.trainer.config import AuditConfig, MemopdConfigError, from_config
 from verl_memopd.trainer.engine import MemopdLMEngine
 from verl_memopd.trainer.reward import clipped_kl_penalty, penalty_metrics

@@ -1,4 +1,4 @@
-"""Group-shared prefix (verl_memopd.trainer.groups): q computed once per prompt group, outputs and
+"""Group-shared prefix (verl_memopd.streams.share_prefix): q computed once per prompt group, outputs and
 gradients equal to every row computing its own q -- at unit level and through the memopd engines'
 own input/output code on both of verl's micro-batch paths."""
 
@@ -20,8 +20,8 @@ from verl_memopd.fields import PROMPT_GROUP, SEGMENT_IDS, TEACHER_HIDDEN, TEACHE
 from verl_memopd.packing import pack_episode
 from verl_memopd.rce import EpisodeShape, random_episodes
 from verl_memopd.segments import segment_meta
+from verl_memopd.streams import share_prefix
 from verl_memopd.trainer.engine import MemopdLMEngine, MemopdTeacherEngine, MemopdValueEngine, final_norm
-from verl_memopd.trainer.groups import share_prefix
 from verl_memopd.trainer.rows import prompt_groups
 
 VOCAB = 256

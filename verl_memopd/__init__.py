@@ -6,6 +6,7 @@ The data flow is the package layout, one stage per module::
       -> agent       memory agent loop in verl's agent loop (vLLM rollout)
       -> records     exact invocation records: token ids in/out, rollout log-probs
       -> packing     layouts packed | per_call | flat; restored positions and segments
+         streams     packed rows re-laid for an engine: each call alone, a prompt group's q once
       -> segments    attention metadata of a token stream: which keys each token sees
       -> attention   executes a layout: torch reference / flash-attn varlen
       -> supervision teacher -> actor transport (hidden states | top-k + tail)

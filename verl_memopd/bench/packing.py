@@ -5,7 +5,7 @@ Model: the tiny teacher architecture (``tiny.teacher_config``: 4 layers, hidden 
 call block, 4-6 calls (``SHAPE``); ``--calls T`` fixes the number of calls, ``--q-ratio R`` sets
 ``|q|`` to R x the mean block, ``--group-size N`` gives every N consecutive episodes the same ``q``
 (GRPO / ``rollout.n`` groups), which the packed variant then computes once per group
-(``verl_memopd.trainer.groups``, as the trainer's engines do with
+(``verl_memopd.streams.share_prefix``, as the trainer's engines do with
 ``memopd.share_prefix_across_group``). One actor step = forward of the whole batch,
 full-vocabulary log-probs at the action tokens, backward of their sum; one teacher step = the
 forward alone (no gradients), final hidden states at the action tokens. Variants are timed
@@ -59,7 +59,7 @@ from verl_memopd.packing import BatchLayout, build_layout, pack_episode
 from verl_memopd.rce import EpisodeShape, random_episodes
 from verl_memopd.records import Episode
 from verl_memopd.segments import SegmentMeta
-from verl_memopd.trainer.groups import share_prefix
+from verl_memopd.streams import share_prefix
 
 __all__ = [
     "SHAPE",

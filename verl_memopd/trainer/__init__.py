@@ -2,9 +2,9 @@
 
 config.py    the recipe's ``memopd:`` tree as a validated dataclass
 rows.py      each row's restored positions / segments / teacher mask, written to TransferQueue
-calls.py     each call of a packed row as its own sequence (per_call layout)
-engine.py    FSDP engines that execute the row layouts (actor, ref, critic, teacher)
+engine.py    FSDP engines that execute the row layouts (actor, ref, critic, teacher; streams.py re-lays the rows)
 teacher.py   the forward-only teacher worker group and its start-up checks
+critic.py    the critic worker on the packed value-model engine
 reward.py    the task reward with the clipped KL penalty r - beta*[l_old - l_ref]_+
 loss.py      the actor loss installed on verl's actor (PPO + full-vocabulary OPD)
 audit.py     in-training checks every N steps: RCE spot-check, aligned-vs-flat teacher KL

@@ -152,7 +152,7 @@ class MemopdConfig:
         (``verl_memopd.trainer.reward``); > 0 starts verl's reference model; 0 = no penalty, no reference.
     share_prefix_across_group: packed layout: rows of one micro-batch with the same prompt (verl's uid,
         ``q`` token ids verified identical; e.g. the ``rollout.n`` samples) compute ``q`` once, every
-        call block of the group attending to it (``verl_memopd.trainer.groups``); exact, outputs and
+        call block of the group attending to it (``verl_memopd.streams.share_prefix``); exact, outputs and
         gradients equal to fp32 noise. False = every row computes its own ``q``.
     """
 

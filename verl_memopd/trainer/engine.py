@@ -13,10 +13,10 @@ packed-attention metadata from the row's ``memopd_segment_ids`` (restored by
                            transport (hidden states, or top-k + tail computed with its own head)
 
 With ``memopd.layout=per_call`` (rows flagged ``memopd_calls_alone``) the same engines run every
-call as its own sequence (``verl_memopd.trainer.calls``) and read the outputs back in the packed
+call as its own sequence (``verl_memopd.streams.calls_alone``) and read the outputs back in the packed
 order (the remove-padding stream or verl's padded batch): the per-call baseline. With
 ``memopd.share_prefix_across_group`` (rows carrying a ``memopd_prompt_group``) the rows of one
-prompt group in a micro-batch compute their common ``q`` once (``verl_memopd.trainer.groups``) and
+prompt group in a micro-batch compute their common ``q`` once (``verl_memopd.streams.share_prefix``) and
 are read back the same way.
 
 Both of verl's micro-batch paths are supported: remove-padding (one ``(1, N)`` token stream)
@@ -51,10 +51,9 @@ from verl_memopd.fields import (
 from verl_memopd.losses.actor import assign_global_teacher_counts
 from verl_memopd.platform.patches import patch_verl_valuehead_attention
 from verl_memopd.segments import SegmentMeta, padded_batch_segments, segment_meta
+from verl_memopd.streams import calls_alone, share_prefix
 from verl_memopd.supervision import encode_teacher_rows, get_transport
 from verl_memopd.trainer.audit import engine_rce_fields
-from verl_memopd.trainer.calls import calls_alone
-from verl_memopd.trainer.groups import share_prefix
 
 _DEVICES = ["cuda", "npu", "cpu"]
 EXPORT_ATTENTION = "sdpa"  # what a saved actor's Hugging Face config names (any device, transformers' default)

@@ -13,7 +13,6 @@ logits cross workers.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from copy import deepcopy
 from dataclasses import dataclass
@@ -67,17 +66,6 @@ def teacher_passes(memopd: MemopdConfig, audit: bool) -> list[TeacherPass]:
     else:
         passes.append(TeacherPass("flat", TEACHER_HIDDEN_FLAT))
     return passes
-
-
-class MemopdCriticWorker(TrainingWorker):
-    """verl's critic ``TrainingWorker`` on the ``memopd_value_model`` engine (packed layout).
-
-    verl 0.9.1 hard-codes ``model_type="value_model"`` for the critic in the trainer's setup;
-    the trainer maps Role.Critic to this class instead.
-    """
-
-    def __init__(self, config: TrainingWorkerConfig):
-        super().__init__(dataclasses.replace(config, model_type="memopd_value_model"))
 
 
 class MemopdTeacherWorker(TrainingWorker):
