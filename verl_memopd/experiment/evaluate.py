@@ -99,12 +99,11 @@ def episode_scores(dump_dir: Path, n: int) -> list[dict]:
 def eval_model(
     model: Path, split_file: Path, out_json: Path, cfg: ExperimentConfig, paths: Paths, meta: dict
 ) -> EvalResult:
-    """Run one eval (or read it back if ``out_json`` exists and has its per-episode scores); ``meta`` is stored with
-    the scores. An ``out_json`` from before per-episode scores were kept is measured again (a paired comparison
-    needs them)."""
+    """Run one eval (or read it back if ``out_json`` exists); ``meta`` is stored with the scores. A test eval cached
+    from before per-episode scores were kept is measured again (the paired comparisons need them)."""
     if out_json.is_file():
         cached = json.loads(out_json.read_text())
-        if "episodes" in cached:
+        if "episodes" in cached or "test" not in split_file.name:
             return cached
         print(f"[experiment] eval {out_json.stem}: cached without per-episode scores; measuring it again", flush=True)
     workdir = out_json.with_suffix("")
