@@ -49,7 +49,7 @@ def _squash(text):
     return re.sub(r"\s", "", text)
 
 
-# --- input layouts --------------------------------------------------------------------------
+# --- source formats --------------------------------------------------------------------------
 def _write(records, path):
     if path.suffix == ".parquet":
         write_rows(records, path)
@@ -61,19 +61,19 @@ def _write(records, path):
 
 
 @pytest.mark.parametrize(
-    "layout,make,name,question_doc",
+    "source_format,make,name,question_doc",
     [
         ("eval json (convert_to_eval.py)", memagent_eval_records, "eval_50.json", -1),
         ("RULER jsonl (ruler_data_prepare.py)", ruler_records, "ruler.jsonl", 1),
         ("training parquet (processing.py)", memagent_train_records, "hotpotqa_train.parquet", 0),
     ],
 )
-def test_memagent_layouts_convert_as_memagent_writes_them(tmp_path, tokenizer, layout, make, name, question_doc):
+def test_memagent_formats_convert_as_memagent_writes_them(tmp_path, tokenizer, source_format, make, name, question_doc):
     records = make(4)
     path = _write(records, tmp_path / name)
     for fmt in ("auto", "memagent"):
         result = convert_records(read_records(path), tokenizer, 48, fmt, split="val", source=path.stem)
-        assert not result.refusals and len(result.rows) == 4, layout
+        assert not result.refusals and len(result.rows) == 4, source_format
         for i, (record, row, docs) in enumerate(zip(records, result.rows, picks(4))):
             _, _, question, aliases = DOCS[docs[question_doc]]
             info = row["extra_info"]

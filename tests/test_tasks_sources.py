@@ -144,7 +144,7 @@ def test_an_unknown_ruler_template_keeps_the_input_whole():
     record = extract(
         {"index": 3, "input": "Name the capital.", "context": "Paris is the capital.", "outputs": ["Paris"]}
     )
-    assert (record.questions, record.template, record.answer_modes, record.layout) == (
+    assert (record.questions, record.template, record.answer_modes, record.source_format) == (
         ("Name the capital.",),
         "unknown",
         ("any",),
@@ -162,7 +162,7 @@ def test_hotpotqa_json_pairs_and_parquet_struct_become_documents():
         (("Mara Tovin",),),
         "5a8b57f25542995d1e6f1371",
     )
-    assert (struct.layout, struct.source_id, struct.answer_sets) == (
+    assert (struct.source_format, struct.source_id, struct.answer_sets) == (
         "hotpotqa",
         "5a8c7595554299585d9e36b6",
         (("seven",),),
@@ -195,13 +195,13 @@ def test_index_contexts_read_the_corpus_in_memagents_order(tmp_path):
 
 def test_dataset_process_rows_and_longbench_and_memagent_files():
     dp = _one("memagent_dataset_process.parquet")
-    assert (dp.layout, dp.questions, dp.answer_sets) == ("dataset_process", (src.DOCS[2][2],), (("seven",),))
+    assert (dp.source_format, dp.questions, dp.answer_sets) == ("dataset_process", (src.DOCS[2][2],), (("seven",),))
     lb = _one("longbench.jsonl")
-    assert (lb.layout, lb.source_id, lb.answer_sets) == ("longbench", "lb-hotpot-0001", (("Velora",),))
-    assert _one("memagent_eval.json").source_id == "0" and _one("memagent_train.parquet").layout == "memagent"
+    assert (lb.source_format, lb.source_id, lb.answer_sets) == ("longbench", "lb-hotpot-0001", (("Velora",),))
+    assert _one("memagent_eval.json").source_id == "0" and _one("memagent_train.parquet").source_format == "memagent"
 
 
-def test_a_refused_layout_names_the_fields_the_record_has_and_answer_is_read():
+def test_a_refused_format_names_the_fields_the_record_has_and_answer_is_read():
     with pytest.raises(
         ValueError,
         match=r"missing_field: no context \(context\), no question \(question \| input \| "
@@ -210,7 +210,7 @@ def test_a_refused_layout_names_the_fields_the_record_has_and_answer_is_read():
     ):
         extract({"prompt_text": "q", "answers": ["a"]})
     plain = extract({"question": "q?", "answer": "Velora", "context": "plain text"})  # `answer`: one string
-    assert (plain.layout, plain.answer_sets) == ("jsonl", (("Velora",),))
+    assert (plain.source_format, plain.answer_sets) == ("jsonl", (("Velora",),))
 
 
 def test_several_files_in_one_call_keep_their_names_and_ids(tmp_path, capsys, tiny_models):

@@ -11,7 +11,7 @@ python -m verl_memopd.tasks convert IN [IN ...] --out DIR --tokenizer MODEL_DIR 
         [--format auto|...] [--answer-mode auto|any|all] [--keep-instructions] [--corpus FILE]
         [--split NAME] [--max-chunks M] [--strict] [--overwrite] [--task TEXT]
         [--memory-tokens T --answer-tokens A]
-    your own long-context QA (JSON lines, JSON or parquet, gzip or not; layouts in tasks/layouts.py)
+    your own long-context QA (JSON lines, JSON or parquet, gzip or not; source formats in tasks/formats.py)
     -> DIR/<split>.parquet, the rows the agent loop reads; prints every refused record with its place
     (FILE line L | FILE [i] | FILE row i) and why, then statistics and the rollout lengths the rows
     need (for the memory/answer budgets given); last line:
@@ -165,14 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         "--format",
         default="auto",
         choices=FORMAT_NAMES,
-        help="the records' layout (default: auto, recognised per record; see tasks/layouts.py)",
+        help="the records' format (default: auto, recognised per record; see tasks/formats.py)",
     )
     c.add_argument(
         "--answer-mode",
         default="auto",
         choices=("auto", "any", "all"),
         help="any: a question's answers are aliases; all: values that must all be given; "
-        "auto (default): the layout's (RULER niah/vt/cwe/fwe: all) or the record's answer_mode",
+        "auto (default): the source format's (RULER niah/vt/cwe/fwe: all) or the record's answer_mode",
     )
     c.add_argument(
         "--keep-instructions",

@@ -1,7 +1,7 @@
 """Your own long-context QA -> the agent loop's parquet rows (one row per episode).
 
 Input (``tasks.readers``): JSON lines, a JSON array or one JSON record, or parquet, gzip or not, the
-kind read from the content; one record = one episode. Layouts (``tasks.layouts``, ``--format``):
+kind read from the content; one record = one episode. Source formats (``tasks.formats``, ``--format``):
 RULER (NVIDIA's and MemAgent's), LongBench v2, HotpotQA (distractor JSON, parquet), MemAgent's
 ``dataset_process.py`` rows, MemAgent's eval json / training parquet and LongBench (``memagent``),
 and the plain one (``jsonl``)::
@@ -10,7 +10,7 @@ and the plain one (``jsonl``)::
               answer_mode (optional): "any" | "all" | ["any" | "all" x K]
     memagent  context; input | extra_info.question | prompt; answers | outputs | reward_model.ground_truth
               (github.com/BytedTsinghua-SIA/MemAgent taskutils/memory_data/: processing.py, convert_to_eval.py)
-    auto      recognises the layout of each record (``tasks.layouts``), else either name set above
+    auto      recognises the source format of each record (``tasks.formats``), else either name set above
 
 A list ``context`` is a list of documents, joined with MemAgent's convention ("Document {i}:\\n{doc}",
 ``\\n\\n`` between); a list of integers is a list of document indices into ``--corpus``. With one
@@ -43,11 +43,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from verl_memopd.tasks.dataset import episode_row, parse_row
-from verl_memopd.tasks.layouts import (
+from verl_memopd.tasks.formats import (
     DOCUMENT,
-    FORMATS,
-    LAYOUTS,
+    GENERIC_FORMATS,
     REFUSALS,
+    SOURCE_FORMATS,
     Options,
     QARecord,
     Refused,
@@ -58,7 +58,7 @@ from verl_memopd.tasks.prompts import MemoryPrompts
 from verl_memopd.tasks.readers import Located, read_located
 
 __all__ = [
-    "FORMATS",
+    "GENERIC_FORMATS",
     "FORMAT_NAMES",
     "REFUSALS",
     "Refused",
@@ -81,7 +81,7 @@ __all__ = [
 #: ``data_source`` prefix of converted rows; the input file's stem follows after a slash.
 SOURCE_PREFIX = "memopd_convert"
 #: ``--format`` choices.
-FORMAT_NAMES = tuple(sorted([*FORMATS, *LAYOUTS]))
+FORMAT_NAMES = tuple(sorted([*GENERIC_FORMATS, *SOURCE_FORMATS]))
 #: A context longer than this (characters) is announced before it is cut (about 100k tokens).
 LARGE_CONTEXT_CHARS = 400_000
 #: Rows with more chunks than this are listed after conversion (one memory call per chunk).
@@ -281,7 +281,7 @@ class ConvertResult:
     prompt_tokens: tuple[int, ...]  # q of every row, rendered with the chat template when there is one
     warnings: tuple[str, ...] = ()
     needs: tuple[tuple[int, int, int], ...] = ()
-    layouts: tuple[tuple[str, str], ...] = ()  # per row: (layout, RULER template or "")
+    formats: tuple[tuple[str, str], ...] = ()  # per row: (source format, RULER template or "")
 
     def data_needs(self, tokenizer_name: str = ""):
         """The rows' :class:`tasks.needs.DataNeeds` (None when they could not be measured)."""
@@ -309,13 +309,13 @@ class ConvertResult:
         lines.append(f"rows: {len(self.rows)}" + (f" (questions per row {_stats(n_q, '.2f')})" if n_q else ""))
         if not self.rows:
             return lines
-        layouts = sorted({(lay, t) for lay, t in self.layouts})
+        formats = sorted(set(self.formats))
         lines.append(
-            "layouts: "
-            + " ".join(f"{lay}{'/' + t if t else ''}={self.layouts.count((lay, t))}" for lay, t in layouts)
+            "formats: "
+            + " ".join(f"{fmt}{'/' + t if t else ''}={self.formats.count((fmt, t))}" for fmt, t in formats)
             + (
                 ""
-                if not any(t for _, t in layouts)
+                if not any(t for _, t in formats)
                 else "  (RULER: instructions stripped from the question unless --keep-instructions; "
                 "'unknown' = no known template, the input kept whole)"
             )
@@ -380,7 +380,7 @@ def convert_records(
     """
     if max_chunks is not None and max_chunks < 1:
         raise ValueError(f"--max-chunks must be >= 1, got {max_chunks}")
-    rows, refusals, counts, sizes, q_sizes, warnings, needs, layouts = [], [], [], [], [], [], [], []
+    rows, refusals, counts, sizes, q_sizes, warnings, needs, formats = [], [], [], [], [], [], [], []
     count = _counter(tokenizer)
     measure = bool(getattr(tokenizer, "chat_template", None))
     for i, item in enumerate(records):
@@ -419,7 +419,7 @@ def convert_records(
         )
         parse_row(row["extra_info"], row["reward_model"], where=where)  # the agent loop's own gate
         rows.append(row)
-        layouts.append((record.layout, record.template or ""))
+        formats.append((record.source_format, record.template or ""))
         counts.append(len(chunks))
         sizes += [count(c) for c in chunks]
         q_sizes.append(count(_render(tokenizer, row["prompt"])))
@@ -435,7 +435,7 @@ def convert_records(
         tuple(q_sizes),
         tuple(warnings),
         tuple(needs),
-        tuple(layouts),
+        tuple(formats),
     )
 
 

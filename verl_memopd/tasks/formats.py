@@ -1,11 +1,11 @@
-"""Source layouts of long-context QA records -> one validated :class:`QARecord` (or a :class:`Refused`).
+"""Source formats of long-context QA records -> one validated :class:`QARecord` (or a :class:`Refused`).
 
-Each layout maps a source's own field names onto the generic ones (context, question, answers, answer
+Each source format maps a source's own field names onto the generic ones (context, question, answers, answer
 mode, source id); the generic reader (:func:`generic`) then validates them. ``--format auto``
-recognises a record's layout by its fields, in this order:
+recognises a record's source format by its fields, in this order:
 
 ==============  ================================================================  =====================
-layout          recognised by (fields as the source writes them)                  answer mode
+format          recognised by (fields as the source writes them)                  answer mode
 ==============  ================================================================  =====================
 ruler           ``input`` + ``outputs`` (NVIDIA RULER ``scripts/data/prepare.py``:  all-of values, except
                 documents inside ``input``, no ``context``; MemAgent's             qa: any-of aliases
@@ -47,8 +47,8 @@ __all__ = [
     "REFUSALS",
     "Refused",
     "QARecord",
-    "FORMATS",
-    "LAYOUTS",
+    "GENERIC_FORMATS",
+    "SOURCE_FORMATS",
     "RULER_TEMPLATES",
     "Options",
     "extract",
@@ -88,7 +88,7 @@ class Refused(ValueError):
 class QARecord:
     """One input episode: the context text, K questions, K answer lists and K answer modes.
 
-    ``layout`` names the layout that read it; ``template`` the RULER template stripped from (or kept
+    ``source_format`` names the format that read it; ``template`` the RULER template stripped from (or kept
     in) its question, if any; ``source_id`` the source's own id as text.
     """
 
@@ -97,7 +97,7 @@ class QARecord:
     answer_sets: tuple[tuple[str, ...], ...]
     answer_modes: tuple[str, ...] = ()
     source_id: str | None = None
-    layout: str = "jsonl"
+    source_format: str = "jsonl"
     template: str | None = None
 
     def __post_init__(self) -> None:
@@ -107,7 +107,7 @@ class QARecord:
 
 @dataclass(frozen=True)
 class Options:
-    """How records are read: ``answer_mode`` auto (the layout's) | any | all (every question);
+    """How records are read: ``answer_mode`` auto (the source format's) | any | all (every question);
     ``keep_instructions`` keeps RULER's instruction text in the question; ``corpus`` the documents
     that index contexts point into (``--corpus``, in MemAgent's order: :func:`tasks.readers.read_corpus`)."""
 
@@ -120,8 +120,8 @@ class Options:
             raise ValueError(f"--answer-mode {self.answer_mode!r}: expected auto, {', '.join(ANSWER_MODES)}")
 
 
-#: Where the generic layouts look for each field (first present wins; dots = nesting).
-FORMATS: dict[str, dict[str, tuple[str, ...]]] = {
+#: Where the generic formats look for each field (first present wins; dots = nesting).
+GENERIC_FORMATS: dict[str, dict[str, tuple[str, ...]]] = {
     "jsonl": {"context": ("context",), "question": ("question",), "answers": ("answers",)},
     "memagent": {
         "context": ("context",),
@@ -159,15 +159,15 @@ def generic(
     fmt: str,
     options: Options,
     names: Mapping[str, Sequence[str]] | None = None,
-    layout: str | None = None,
+    source_format: str | None = None,
     modes: Any = None,
     template: str | None = None,
     question: Any = None,
     context: Any = None,
 ) -> QARecord:
     """Validate ``record`` under the field names of ``fmt`` (or ``names``); ``question`` / ``context``
-    replace the record's when a layout has computed them."""
-    names = names or FORMATS[fmt]
+    replace the record's when a source format has computed them."""
+    names = names or GENERIC_FORMATS[fmt]
     found = {key: _field(record, names[key]) for key in ("context", "question", "answers")}
     if question is not None:
         found["question"] = ("question", question)
@@ -179,7 +179,7 @@ def generic(
             "missing_field",
             "no " + ", no ".join(missing) + f" [--format {fmt}]; the record has "
             f"fields {sorted(record)}: rename them to context, question, answers, or see README "
-            f"'Your own data' for the layouts read",
+            f"'Your own data' for the formats read",
         )
     (_, ctx), (q_name, q_value), (a_name, a_value) = found["context"], found["question"], found["answers"]
     questions, single = _questions(q_value, q_name)
@@ -192,7 +192,7 @@ def generic(
         answer_sets,
         _modes(modes, len(questions), options.answer_mode),
         _source_id(record),
-        layout or fmt,
+        source_format or fmt,
         template,
     )
 
@@ -359,7 +359,7 @@ def ruler(record: Mapping, options: Options) -> QARecord:
     """A RULER record (NVIDIA: documents in ``input``; MemAgent: ``context`` separate)."""
     text = record.get("input")
     if not isinstance(text, str):
-        return generic(record, "memagent", options, layout="ruler")
+        return generic(record, "memagent", options, source_format="ruler")
     for task, mode, pattern in RULER_TEMPLATES:
         m = pattern.search(text)
         if m is None:
@@ -371,9 +371,16 @@ def ruler(record: Mapping, options: Options) -> QARecord:
             question = " ".join(m.group("question").split())
         context = inner if inner and record.get("context") is None else None
         return generic(
-            record, "memagent", options, layout="ruler", modes=[mode], template=task, question=question, context=context
+            record,
+            "memagent",
+            options,
+            source_format="ruler",
+            modes=[mode],
+            template=task,
+            question=question,
+            context=context,
         )
-    return generic(record, "memagent", options, layout="ruler", template="unknown")
+    return generic(record, "memagent", options, source_format="ruler", template="unknown")
 
 
 # --- LongBench v2, HotpotQA, dataset_process ------------------------------------------------
@@ -396,7 +403,7 @@ def longbench_v2(record: Mapping, options: Options) -> QARecord:
         options_text = "; ".join(f"({c}) {' '.join(t.split())}" for c, t in choices.items())
         question = f"{question.strip()} Options: {options_text}. Answer with the text of the correct option."
     gold = " ".join(choices[letter.strip().upper()].split())
-    return generic({**record, "answers": [gold]}, "jsonl", options, layout="longbench_v2", question=question)
+    return generic({**record, "answers": [gold]}, "jsonl", options, source_format="longbench_v2", question=question)
 
 
 def hotpotqa(record: Mapping, options: Options) -> QARecord:
@@ -425,7 +432,9 @@ def hotpotqa(record: Mapping, options: Options) -> QARecord:
         ):
             raise Refused("non_string", f"context document {i} is not [title, [sentence, ...]]")
         docs.append(f"{pair[0]}\n{''.join(pair[1])}")
-    return generic({**record, "answers": record.get("answer")}, "jsonl", options, layout="hotpotqa", context=docs)
+    return generic(
+        {**record, "answers": record.get("answer")}, "jsonl", options, source_format="hotpotqa", context=docs
+    )
 
 
 def _is_hotpot_context(ctx: Any) -> bool:
@@ -438,36 +447,36 @@ def _is_hotpot_context(ctx: Any) -> bool:
     )
 
 
-#: layout name -> (recognised by, reader); ``auto`` tries them in this order, then ``memagent`` names.
-LAYOUTS: dict[str, tuple[Callable[[Mapping], bool], Callable[[Mapping, Options], QARecord]]] = {
+#: source format name -> (recognised by, reader); ``auto`` tries them in this order, then ``memagent`` names.
+SOURCE_FORMATS: dict[str, tuple[Callable[[Mapping], bool], Callable[[Mapping, Options], QARecord]]] = {
     "ruler": (lambda r: "input" in r and "outputs" in r, ruler),
     "longbench_v2": (lambda r: "choice_A" in r, longbench_v2),
     "hotpotqa": (lambda r: "answer" in r and "answers" not in r and _is_hotpot_context(r.get("context")), hotpotqa),
     "dataset_process": (
         lambda r: "solution" in r and "question" in r,
         lambda r, o: generic(
-            r, "auto", o, layout="dataset_process", names={**FORMATS["auto"], "answers": ("solution",)}
+            r, "auto", o, source_format="dataset_process", names={**GENERIC_FORMATS["auto"], "answers": ("solution",)}
         ),
     ),
 }
 
 
 def extract(record: Any, fmt: str = "auto", options: Options = Options()) -> QARecord:
-    """Validate one record in layout ``fmt`` (see module docstring); raises :class:`Refused`."""
-    valid = sorted([*FORMATS, *LAYOUTS])
+    """Validate one record in format ``fmt`` (see module docstring); raises :class:`Refused`."""
+    valid = sorted([*GENERIC_FORMATS, *SOURCE_FORMATS])
     if fmt not in valid:
         raise KeyError(f"unknown format {fmt!r}; valid: {valid}")
     if not isinstance(record, Mapping):
         raise Refused("bad_record", f"expected a JSON object, got {type(record).__name__} {str(record)[:60]!r}")
-    if fmt in LAYOUTS:
-        return LAYOUTS[fmt][1](record, options)
-    if fmt == "memagent" and LAYOUTS["ruler"][0](record):  # MemAgent's RULER files
+    if fmt in SOURCE_FORMATS:
+        return SOURCE_FORMATS[fmt][1](record, options)
+    if fmt == "memagent" and SOURCE_FORMATS["ruler"][0](record):  # MemAgent's RULER files
         return ruler(record, options)
     if fmt == "auto":
-        for name, (recognises, read) in LAYOUTS.items():
+        for name, (recognises, read) in SOURCE_FORMATS.items():
             if recognises(record):
                 return read(record, options)
-    layout = (
+    source_format = (
         fmt
         if fmt != "auto"
         else "jsonl"
@@ -476,4 +485,4 @@ def extract(record: Any, fmt: str = "auto", options: Options = Options()) -> QAR
         if "all_classes" in record
         else "memagent"
     )
-    return generic(record, fmt, options, layout=layout)
+    return generic(record, fmt, options, source_format=source_format)
