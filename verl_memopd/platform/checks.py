@@ -9,6 +9,7 @@ a silent hang; the message says what to change.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,38 @@ def check_cpu_config(cfg: DictConfig) -> None:
         raise CpuProfileError("verl config cannot run on the cpu platform:\n  - " + "\n  - ".join(problems))
 
 
+#: every engine's compute dtype key (verl's FSDP ``mixed_precision.param_dtype``) and the rollout's dtype
+PRECISION_KEYS = (
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype",
+    "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype",
+    "critic.fsdp.mixed_precision.param_dtype",
+    "actor_rollout_ref.rollout.dtype",
+)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether torch's CPU kernels run bf16 matmuls natively here (AVX512-BF16 or AMX tiles)."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def precision_warnings(cfg: DictConfig, fast_bf16: bool | None = None) -> list[str]:
+    """Warnings (not errors: bf16 runs everywhere) for low-precision settings on a CPU that emulates them."""
+    low = [
+        f"{key}={_get(cfg, key)}"
+        for key in PRECISION_KEYS
+        if str(_get(cfg, key, "")).lower() in ("bf16", "bfloat16", "fp16", "float16", "half")
+    ]
+    if not low or (cpu_has_fast_bf16() if fast_bf16 is None else fast_bf16):
+        return []
+    return [
+        f"{', '.join(low)}: this CPU has neither avx512_bf16 nor amx_bf16, so torch emulates bf16 matmuls "
+        f"(several times slower than fp32 here, docs/measurements.md 'bf16 on CPU'); the run stays in the dtype "
+        f"asked for -- use +profile=cpu (fp32) for speed"
+    ]
+
+
 class CpuProfileCheck(Callback):
     """Hydra callback: :func:`check_cpu_config` before the job (verl's ``main``) starts.
 
@@ -87,3 +120,5 @@ class CpuProfileCheck(Callback):
             check_cpu_config(config)
         except CpuProfileError as e:
             raise SystemExit(f"[verl-memopd] {e}") from None
+        for warning in precision_warnings(config):
+            print(f"[verl-memopd] warning: {warning}", file=sys.stderr, flush=True)
