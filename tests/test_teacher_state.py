@@ -91,7 +91,7 @@ def test_teacher_passes_score_the_supervision_under_the_teacher_state(teacher_di
 def test_teacher_state_is_validated(teacher_dir):
     with pytest.raises(MemopdConfigError, match=r"memopd.teacher.state='persistent'.*\('aligned', 'flat'\)"):
         _memopd(teacher_dir, state="persistent")
-    with pytest.raises(MemopdConfigError, match="already flattens every forward"):
+    with pytest.raises(MemopdConfigError, match="memopd.layout=flat already puts every forward on the flat layout"):
         _memopd(teacher_dir, state="flat", layout="flat")
     with pytest.raises(MemopdConfigError, match="no teacher to score the flat history"):
         MemopdConfig(teacher=TeacherConfig(state="flat"), distill=DistillConfig(coef=0.0))

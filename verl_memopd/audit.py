@@ -254,7 +254,7 @@ class AloneCalls:
     Attributes:
         input_ids: (S, L) int64 -- the call's ``prompt_ids + response_ids``, padded with its first token.
         position_ids: (S, L) int64 -- 0..L-1 on every row (real tokens at 0..n-1, padding after).
-        alone_index: (A,) int64 -- flat ``S * L`` index of the position predicting each action token.
+        alone_index: (A,) int64 -- index into the ``S * L`` stream of the position predicting each action token.
         row: (A,) int64 -- the packed row b of each action token.
         packed_pos: (A,) int64 -- index in row b of the position predicting it in the packed forward.
         call: (A,) int64 -- which of the S calls it belongs to.
@@ -434,7 +434,7 @@ def alone_pass_stats(
     """Run ``calls`` alone (``module``: the engine's model, FSDP-wrapped or not; ``hf_model`` the HF model
     inside it) and compare with the packed forward at the action tokens, ``chunk`` tokens at a time.
 
-    ``packed_logits``: (M, V) the packed forward's logits, rows flattened (read in place);
+    ``packed_logits``: (M, V) the packed forward's logits, rows concatenated (read in place);
     ``packed_index``: (A,) the row of each action token's prediction in it. When the passes compute in fp16 /
     bf16 (:func:`compute_dtype`; and ``reference``) the alone pass runs first as the fp32 reference
     (:func:`verl_memopd.fp32_reference.fp32_replica`: the same weights rounded to that dtype, every operation in
@@ -502,7 +502,7 @@ def rce_spot_check(
 
     Args:
         module / hf_model: the model as the engine calls it (FSDP-wrapped or not) and the HF model inside.
-        packed_logits: (M, V) the packed forward's logits with rows flattened (a view, not a copy).
+        packed_logits: (M, V) the packed forward's logits with rows concatenated (a view, not a copy).
         row_start: (B,) int64 -- where row b starts in ``packed_logits``.
         input_ids / response_masks: per row b, (L_b,) and (R_b,) (see :func:`record_calls`).
         records: per row b, its calls as the agent loop recorded them (:class:`CallRecord`).

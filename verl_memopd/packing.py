@@ -23,7 +23,7 @@ the action tokens in the same ``(episode, call, k)`` order:
 
 Attention metadata (segment visibility, checks of restored positions) is built in
 ``verl_memopd.segments``: a layout's ``segments`` is a :class:`~verl_memopd.segments.SegmentMeta` over
-the flattened ``B * L`` token stream, and :func:`packed_rows_segments` gives it for packed rows.
+the ``B * L`` token stream (rows concatenated), and :func:`packed_rows_segments` gives it for packed rows.
 """
 
 from __future__ import annotations
@@ -115,13 +115,13 @@ class BatchLayout:
         input_ids: (B, L) int64 token ids (``PAD_ID`` at padding).
         position_ids: (B, L) int64 -- restored (``packed``) or 0..L-1 per row.
         valid_mask: (B, L) bool -- True at real tokens, False at padding.
-        segments: attention metadata over the flattened ``B * L`` stream.
+        segments: attention metadata over the ``B * L`` stream (rows concatenated).
         action_mask: (B, L) bool -- True at position ``j`` when token ``j + 1`` is an action token
             (m_act): aligned to the *predicting* position, as verl's log-prob of response token j.
         teacher_mask: (B, L) bool, <= action_mask -- the same for teacher-supervised tokens (m_T).
         action_origin: (A, 3) int64 -- ``(episode, call, k)`` of every action token, in stream order;
             ``k`` indexes the call's ``response_ids``. The same order in every layout.
-        action_index: (derived) (A,) int64 -- flat ``B * L`` index of the predicting position g(t, k).
+        action_index: (derived) (A,) int64 -- index into the ``B * L`` stream of the predicting position g(t, k).
         action_ids: (derived) (A,) int64 -- the action token ids (targets).
         needs_segment_attention: (derived) False only when every row is one plain causal sequence,
             so any causal attention implementation executes the layout exactly.

@@ -1,6 +1,6 @@
 """Attention metadata of a token stream: which keys every token attends to (stage 2 -> 3).
 
-Built here from per-token segment and row ids (a layout's flattened ``B * L`` tokens, or verl's
+Built here from per-token segment and row ids (a layout's ``B * L`` tokens, rows concatenated, or verl's
 remove-padding stream); layouts are built in ``verl_memopd.packing``, the metadata is executed in
 ``verl_memopd.attention``. In a ``packed`` row::
 
@@ -16,7 +16,7 @@ Visibility (row = query, column = key; 1 = may attend)::
         x1     1  1  1  .  .  .  .  1  .  .  .      B_2 never sees B_1
         a1     1  1  1  .  .  .  .  1  1  1  1
 
-Attention metadata is a :class:`SegmentMeta` over the flattened ``B * L`` token stream: each
+Attention metadata is a :class:`SegmentMeta` over the ``B * L`` token stream (rows concatenated): each
 query segment attends causally, bottom-right aligned, to its gathered keys (see its docstring).
 
 Shapes: :func:`segment_meta` takes ``segment_ids`` / ``row_ids`` / ``position_ids`` of shape (N,)

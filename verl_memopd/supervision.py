@@ -222,13 +222,13 @@ class Transport(ABC):
         self, hidden: torch.Tensor, head_weight: Optional[torch.Tensor], vocab_size: int, temperature: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         """Teacher side. hidden (A, H_t), head_weight (V_rows, H_t) (None allowed when not
-        ``teacher_needs_head``), temperature (A,) -> flat payload (A, ...)."""
+        ``teacher_needs_head``), temperature (A,) -> the payload over the A positions (A, ...)."""
 
     @abstractmethod
     def decode(
         self, payload: Mapping[str, torch.Tensor], teacher_head: Optional[torch.Tensor], vocab_size: int
     ) -> "HiddenTarget | TopKTarget":
-        """Actor side. Flat payload (A, ...) -> a target the losses consume."""
+        """Actor side. The payload over the A positions (A, ...) -> a target the losses consume."""
 
     @abstractmethod
     def bytes_per_token(self, hidden_size: int, vocab_size: int, hidden_dtype: torch.dtype) -> int:
@@ -326,7 +326,7 @@ class TopKTransport(Transport):
 
 # --- wire helpers ---------------------------------------------------------------------------
 def nest_payload(payload: Mapping[str, torch.Tensor], row_counts: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Flat payload (A, ...) -> jagged nested tensors (B, A_b*, ...) for a verl TensorDict.
+    """The payload over the A positions (A, ...) -> jagged nested tensors (B, A_b*, ...) for a verl TensorDict.
 
     row_counts: (B,) number of supervised tokens in each row (sums to A; zeros allowed).
     """
@@ -369,7 +369,7 @@ def encode_teacher_rows(
 
 
 def payload_bytes_per_token(payload: Mapping[str, torch.Tensor]) -> float:
-    """Measured bytes per supervised token of a flat payload (tensor storage; no framing)."""
+    """Measured bytes per supervised token of a payload over the A positions (tensor storage; no framing)."""
     num_tokens = next(iter(payload.values())).shape[0]
     return sum(t.numel() * t.element_size() for t in payload.values()) / num_tokens
 

@@ -185,7 +185,7 @@ def assign_global_teacher_counts(data: TensorDict, dp_group=None) -> None:
 
 @dataclass(frozen=True)
 class _Positions:
-    """The micro-batch's A teacher positions. seq_index (A,): row in the flattened (sum L_b, ...)
+    """The micro-batch's A teacher positions. seq_index (A,): row in the (sum L_b, ...)
     model outputs that predicts the token; row (A,): batch row; row_counts (B,): A_b."""
 
     seq_index: torch.Tensor
@@ -222,12 +222,12 @@ def _teacher_positions(data: TensorDict) -> _Positions:
 def _student(model_output: dict, pos: _Positions, total_tokens: int, vocab_size: int) -> StudentLogits:
     def rows_of(key: str) -> torch.Tensor:
         t = model_output[key]
-        flat = t.values() if t.is_nested else t
-        if flat.shape[0] != total_tokens:
+        tokens = t.values() if t.is_nested else t
+        if tokens.shape[0] != total_tokens:
             raise LossInputError(
-                f"model_output[{key!r}] has {flat.shape[0]} token rows; prompts + responses have {total_tokens}"
+                f"model_output[{key!r}] has {tokens.shape[0]} token rows; prompts + responses have {total_tokens}"
             )
-        return flat.index_select(0, pos.seq_index)
+        return tokens.index_select(0, pos.seq_index)
 
     if STUDENT_HIDDEN in model_output and STUDENT_HEAD in model_output:
         return StudentLogits(vocab_size, hidden=rows_of(STUDENT_HIDDEN), head_weight=model_output[STUDENT_HEAD])

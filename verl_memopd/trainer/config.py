@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from verl_memopd.losses.actor import OPDLossConfig
 
 #: Layouts the trainer can execute: packed = MemOPD, per_call = the same rows run call by call
-#: (packing's speed baseline, numerically equal), flat = everything flattened (diagnostic).
+#: (packing's speed baseline, numerically equal), flat = every forward on the flat layout (diagnostic).
 TRAINER_LAYOUTS = ("packed", "per_call", "flat")
 #: The state the teacher scores: aligned = the student's rows (MemOPD), flat = the persistent history
 #: (positions 0..L-1, one causal segment; the paper's persistent-history teacher scoring).
@@ -140,10 +140,10 @@ class MemopdConfig:
 
     layout: what every forward (actor, reference, critic, teacher) executes: ``packed`` (MemOPD:
         restored positions, block visibility), ``per_call`` (the same rows, every forward running each
-        call alone with ``q`` repeated: the unpacked speed baseline) or ``flat`` (everything flattened,
+        call alone with ``q`` repeated: the unpacked speed baseline) or ``flat`` (the flat layout for everyone,
         a diagnostic: positions 0..L-1 and plain causal attention for the student too, so its
         log-probs are not the rollout's). The paper's persistent-history baseline is
-        ``teacher.state=flat``, which flattens the teacher only.
+        ``teacher.state=flat``: the flat layout for the teacher only.
     entropy_coef: alpha in ``L = L_PPO - alpha*H + lambda*L_OPD``; the recipe points verl's
         ``actor_rollout_ref.actor.entropy_coeff`` at it.
     ppo_coef: weight of verl's PPO term ``L_PPO - alpha*H`` in the actor loss (1 = the method; 0 = on-policy
@@ -234,8 +234,8 @@ class MemopdConfig:
             )
         if state == "flat" and self.layout == "flat":
             raise MemopdConfigError(
-                "memopd.teacher.state=flat with memopd.layout=flat: the flat layout already "
-                "flattens every forward; for the matched control (the teacher alone scores the "
+                "memopd.teacher.state=flat with memopd.layout=flat: memopd.layout=flat already "
+                "puts every forward on the flat layout; for the matched control (the teacher alone scores the "
                 "persistent history) keep memopd.layout=packed"
             )
 

@@ -207,12 +207,12 @@ def _jagged_like(values_bl: torch.Tensor, micro_batch, use_rmpad: bool) -> torch
     """(1, N, ...) stream or (B, L, ...) padded model output -> jagged (B, L_b*, ...) like ``input_ids``."""
     offsets = micro_batch["input_ids"].offsets()
     if use_rmpad:
-        flat = values_bl.squeeze(0)[: int(offsets[-1])]
+        tokens = values_bl.squeeze(0)[: int(offsets[-1])]
     else:
         lengths = offsets.diff()
         keep = torch.arange(values_bl.shape[1], device=values_bl.device).unsqueeze(0) < lengths.unsqueeze(1)
-        flat = values_bl[keep]
-    return torch.nested.nested_tensor_from_jagged(flat, offsets)
+        tokens = values_bl[keep]
+    return torch.nested.nested_tensor_from_jagged(tokens, offsets)
 
 
 @EngineRegistry.register(model_type="memopd_language_model", backend=_BACKENDS, device=_DEVICES)

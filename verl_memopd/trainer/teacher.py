@@ -3,7 +3,7 @@
 It runs the teacher through verl's own worker/engine machinery (FSDP, the ``memopd_teacher``
 engine of :mod:`verl_memopd.trainer.engine`), so it scores exactly the rows -- positions and
 call-block visibility -- that the actor trains on (``memopd.teacher.state=aligned``), or the same
-rows flattened into the persistent history (``state=flat``; see :func:`teacher_passes`), and writes
+rows in the flat layout, the persistent history (``state=flat``; see :func:`teacher_passes`), and writes
 its supervision at m_T positions to TransferQueue: ``memopd_teacher_hidden`` (the ``hidden``
 transport: final hidden states, (B, A_b*, H)) or the ``topk`` transport's ids / log-probs / tail.
 With ``hidden`` the actor turns the states into exact full-vocabulary teacher log-probs with a
