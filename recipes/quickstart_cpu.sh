@@ -5,8 +5,8 @@
 #   MEMOPD_DRY_RUN=1 bash recipes/quickstart_cpu.sh         print the command, one argument per line
 #   MEMOPD_PREPARE_ONLY=1 bash recipes/quickstart_cpu.sh    build the models and data, stop
 #
-# Hardware: no GPU; 2 CPU cores and ~12 GB RAM (+profile=cpu; two logical GPUs = two processes, one for the
-#   actor/critic group, one for the teacher's own pool). Offline.
+# Hardware: no GPU; 2 CPU cores and 16 GB RAM (a step had ~10.9 GB in use: docs/measurements.md; +profile=cpu;
+#   two logical GPUs = two processes, one for the actor/critic group, one for the teacher's own pool). Offline.
 # Builds, deterministically, on first use under MEMOPD_QUICKSTART_DIR (default runs/quickstart): the tiny
 #   student and teacher (python -m verl_memopd.bench.tiny) and the benchmark's `tiny` preset
 #   (python -m verl_memopd.tasks build --preset tiny).

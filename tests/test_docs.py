@@ -53,3 +53,34 @@ def test_no_tracked_file_points_outside_the_repository():
         if outside.search(line)
     ]
     assert not hits, hits
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_anchors_of_links_between_the_docs_exist(doc):
+    broken = []
+    for target in LINK.findall(doc.read_text()):
+        if re.match(r"[a-z]+:", target) or "#" not in target:
+            continue
+        path, anchor = target.split("#", 1)
+        page = (doc.parent / path).resolve() if path else doc
+        if page.suffix != ".md" or not page.exists():
+            continue  # the link test reports missing files
+        headings = re.findall(r"^#+ (.+)$", page.read_text(), re.M)
+        if anchor not in {_slug(h) for h in headings}:
+            broken.append(target)
+    assert not broken, f"{doc.name}: links to headings that do not exist: {broken}"
+
+
+def test_one_ram_figure_for_the_cpu_quickstart():
+    """The README's quickstart and the script's header state the same RAM, and the README the GPU venv's size."""
+    readme = README.read_text()
+    heading = re.search(r"^## Quickstart \(CPU, 2 cores, (\d+) GB RAM", readme, re.M)
+    script = re.search(r"2 CPU cores and (\d+) GB RAM", (REPO / "recipes" / "quickstart_cpu.sh").read_text())
+    assert heading and script and heading.group(1) == script.group(1)
+    assert set(re.findall(r"(\d+) GB RAM", readme)) == {heading.group(1)}
+    assert "the venv is ~11 GB" in readme and "download.pytorch.org/whl/cpu" in readme
