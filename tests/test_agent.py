@@ -21,10 +21,11 @@ from verl.workers.rollout.replica import TokenOutput
 
 from verl_memopd.agent import MemoryAgentConfig
 from verl_memopd.agent.context import CallContext
+from verl_memopd.agent.episode import CallRequest, MemoryEpisode
 from verl_memopd.fields import EPISODE, POSITION_IDS, SEGMENT_IDS, TEACHER_MASK
 from verl_memopd.packing import pack_episode
 from verl_memopd.records import Episode
-from verl_memopd.tasks.dataset import AGENT_NAME, to_row
+from verl_memopd.tasks.dataset import AGENT_NAME, parse_row, to_row
 from verl_memopd.tasks.generator import corpus, generate, get_preset
 from verl_memopd.tasks.prompts import CALL_FIELDS, DATA_FIELDS, MemoryPrompts, format_answers
 
@@ -174,6 +175,35 @@ def _context(tokenizer, template, **kwargs):
     tok = copy.copy(tokenizer)
     tok.chat_template = template
     return CallContext(tok, _row()["prompt"], MemoryPrompts(), kwargs, where="row 3 (val-3)")
+
+
+def test_memory_episode_lays_out_the_calls_and_hands_each_reply_on_as_memory(tokenizer):
+    """The call schedule both agents (verl's loop, the experiment's HF agent) drive: N memory calls, the answer call;
+    each reply minus its stop id is what the next call reads."""
+    row, eos = _row(), tokenizer.eos_token_id
+    task, ctx = parse_row(row["extra_info"], row["reward_model"]), _context(tokenizer, CHATML)
+    episode, n = MemoryEpisode(task, ctx, memory_tokens=12, answer_tokens=40), len(task.chunks)
+    answers = tokenizer.encode(format_answers([a[0] for a in row["reward_model"]["ground_truth"]]))
+    kept = ()
+    for t in range(n + 1):
+        assert not episode.done
+        request, user = episode.next_call(), episode.message("MEMORY TEXT")
+        context = ctx.memory_call(kept, task.chunks[t], t, n) if t < n else ctx.answer_call(kept)
+        assert request == CallRequest(t, ctx.prefix_ids + context, 12 if t < n else 40, keeps_memory=t < n)
+        assert user == (
+            MemoryPrompts().memory_message("MEMORY TEXT", task.chunks[t], t, n)
+            if t < n
+            else MemoryPrompts().answer_message("MEMORY TEXT")
+        )
+        replies = {n: (answers + [eos], True), 1: ([10, 20], False)}  # call 1 runs into its budget: no stop id
+        reply, stopped = replies.get(t, ([7 + t, eos], True))
+        episode.receive(reply, stopped)
+        kept = tuple(reply[:-1] if stopped else reply)
+        assert episode.kept_ids == kept
+    assert episode.done and episode.kept_ids == tuple(answers)
+    assert episode.score(tokenizer.decode(answers)).f1 == 1.0
+    with pytest.raises(RuntimeError, match="calls are made"):
+        episode.next_call()
 
 
 def test_call_context_keeps_the_templates_system_prompt_and_kwargs_in_q(tokenizer):

@@ -1,11 +1,8 @@
 """The memory agent loop, registered with verl's agent-loop registry as ``memopd_memory_agent``.
 
-One episode = one dataset row (see ``verl_memopd.tasks.dataset``) with N chunks::
-
-    for t in 0..N-1:  a_t = model([q | memory | chunk_t])   memory := a_t minus its stop token
-    final:            a_N = model([q | memory])              answer lines "k: <answer>"
-
-Each call's exact input ids, sampled ids and rollout log-probs become a
+One episode = one dataset row (see ``verl_memopd.tasks.dataset``) with N chunks: N memory calls, then the
+answer call, as ``verl_memopd.agent.episode.MemoryEpisode`` lays them out; this loop serves them with verl's
+rollout server. Each call's exact input ids, sampled ids and rollout log-probs become a
 ``records.Invocation`` (memory calls set ``memory_span``; a call that hit its token budget
 without a stop token has ``finish_reason="length"`` and its memory is the truncated text);
 the episode becomes a ``records.Episode`` and goes to verl as ONE row via
@@ -65,12 +62,13 @@ from verl.utils.model import get_generation_config
 
 from verl_memopd.agent import errors as agent_errors
 from verl_memopd.agent.context import CallContext
+from verl_memopd.agent.episode import MemoryEpisode
 from verl_memopd.fields import EPISODE, POSITION_IDS, SEGMENT_IDS, TEACHER_MASK
 from verl_memopd.packing import pack_episode
 from verl_memopd.records import Episode, Invocation
 from verl_memopd.tasks.dataset import AGENT_NAME, TaskRow, parse_row
-from verl_memopd.tasks.prompts import CALL_FIELDS, DATA_FIELDS, MemoryPrompts, parse_answers
-from verl_memopd.tasks.reward import answer_recall, score_answers
+from verl_memopd.tasks.prompts import CALL_FIELDS, DATA_FIELDS, MemoryPrompts
+from verl_memopd.tasks.reward import answer_recall
 
 __all__ = ["MemoryAgentConfig", "MemoryAgentLoop", "EPISODE", "POSITION_IDS", "SEGMENT_IDS", "TEACHER_MASK"]
 
@@ -155,34 +153,23 @@ class MemoryAgentLoop(AgentLoopBase):
             self.apply_chat_template_kwargs,
             where=task.where,
         )
+        episode = MemoryEpisode(task, ctx, self.agent_config.memory_tokens, self.agent_config.answer_tokens)
         request_id, calls, versions, t0 = uuid4().hex, [], [], time.perf_counter()
-        memory: tuple[int, ...] = ()
-        for t, chunk in enumerate(task.chunks):
-            context = ctx.memory_call(memory, chunk, t, len(task.chunks))
+        while not episode.done:
+            request = episode.next_call()
             call, version = await self._call(
                 request_id,
-                ctx.prefix_ids + context,
-                self.agent_config.memory_tokens,
-                self._seeded(sampling_params, task, kwargs, t),
-                keeps_memory=True,
-                where=f"{task.where} call {t}",
+                request.prompt_ids,
+                request.budget,
+                self._seeded(sampling_params, task, kwargs, request.index),
+                keeps_memory=request.keeps_memory,
+                where=f"{task.where} call {request.index}",
             )
+            episode.receive(call.response_ids, stopped=call.finish_reason == "stop")
             calls.append(call)
             versions.append(version)
-            memory = call.memory_ids
-        n = len(task.chunks)
-        call, version = await self._call(
-            request_id,
-            ctx.prefix_ids + ctx.answer_call(memory),
-            self.agent_config.answer_tokens,
-            self._seeded(sampling_params, task, kwargs, n),
-            keeps_memory=False,
-            where=f"{task.where} call {n}",
-        )
-        calls.append(call)
-        versions.append(version)
         generate_s = time.perf_counter() - t0
-        return self._output(task, kwargs, ctx.prefix_ids, calls, versions, generate_s)
+        return self._output(episode, kwargs, calls, versions, generate_s)
 
     def _seeded(self, sampling_params: dict, task: TaskRow, kwargs: dict, call: int) -> dict:
         """``sampling_params`` with this call's vLLM seed (``seed_requests``; see module docstring)."""
@@ -246,17 +233,15 @@ class MemoryAgentLoop(AgentLoopBase):
 
     def _output(
         self,
-        task: TaskRow,
+        episode: MemoryEpisode,
         kwargs: dict,
-        prefix_ids: tuple[int, ...],
         calls: list[Invocation],
         versions: list[tuple[Optional[int], Optional[int]]],
         generate_s: float,
     ) -> AgentLoopOutput:
-        final = calls[-1]
-        answer_ids = final.response_ids[:-1] if final.finish_reason == "stop" else final.response_ids
-        answer_text = self.tokenizer.decode(answer_ids, skip_special_tokens=True)
-        score = score_answers(parse_answers(answer_text, len(task.answer_sets)), task.answer_sets, task.answer_modes)
+        task = episode.task
+        answer_text = self.tokenizer.decode(episode.kept_ids, skip_special_tokens=True)
+        score = episode.score(answer_text)
         memory_calls = calls[:-1]  # >= 1: parse_row refuses a row without chunks
         diagnostics = {
             "memory_recall": answer_recall(
@@ -266,10 +251,10 @@ class MemoryAgentLoop(AgentLoopBase):
             ),
             "memory_truncated": sum(c.finish_reason == "length" for c in memory_calls) / len(memory_calls),
         }
-        episode = Episode(
+        record = Episode(
             episode_id=uuid4().hex,
             uid=str(kwargs.get("uid", task.where)),
-            prefix_ids=prefix_ids,
+            prefix_ids=episode.context.prefix_ids,
             invocations=tuple(calls),
             reward=score.f1,
             extra={
@@ -282,7 +267,7 @@ class MemoryAgentLoop(AgentLoopBase):
                 "weight_steps": [list(v) for v in versions],
             },
         )
-        row = pack_episode(episode)
+        row = pack_episode(record)
         for name, n, limit in (
             ("prompt_length", len(row.prompt_ids), self.rollout_config.prompt_length),
             ("response_length", len(row.response_ids), self.rollout_config.response_length),
@@ -301,7 +286,7 @@ class MemoryAgentLoop(AgentLoopBase):
             num_turns=2 * len(calls),
             metrics={"generate_sequences": generate_s},
             extra_fields={
-                EPISODE: episode.to_dict(),
+                EPISODE: record.to_dict(),
                 POSITION_IDS: list(row.position_ids),
                 SEGMENT_IDS: list(row.segment_ids),
                 TEACHER_MASK: list(row.teacher_mask),

@@ -1,8 +1,8 @@
 """The memory agent run with Hugging Face models directly (no Ray, no vLLM): for the experiment's diagnostics.
 
-The calls are built exactly as the training agent loop builds them (``agent.context.CallContext`` on the
-row's prompt: ``q`` once, then ``[q | memory | chunk]`` per call, the memory being the previous call's
-sampled ids up to its stop token), and scored with the benchmark's F1 (``tasks.reward``). What differs
+The calls are the training agent loop's own (``agent.episode.MemoryEpisode`` on the row's prompt: ``q`` once,
+then ``[q | memory | chunk]`` per call, the memory being the previous call's sampled ids up to its stop
+token), and scored with the benchmark's F1 (``tasks.reward``). What differs
 from ``verl_memopd.agent.loop``: generation is Hugging Face ``generate`` (batched, left-padded, fp32, CPU), and
 each call may be served by a different model. Three uses:
 
@@ -119,58 +119,46 @@ def agent_calls(
     batch) instead of greedy. Returns one :class:`AgentEpisode` per row, in order.
     """
     from verl_memopd.agent.context import CallContext
+    from verl_memopd.agent.episode import MemoryEpisode
     from verl_memopd.tasks.dataset import parse_row
-    from verl_memopd.tasks.prompts import MemoryPrompts, parse_answers
-    from verl_memopd.tasks.reward import score_answers
+    from verl_memopd.tasks.prompts import MemoryPrompts
 
     first, second = (models[0], models[-1])
     out: list[AgentEpisode] = []
     for start in range(0, len(rows), batch):
         group = rows[start : start + batch]
-        tasks = [parse_row(r["extra_info"], r["reward_model"]) for r in group]
-        contexts = [
-            CallContext(tokenizer, list(r["prompt"]), MemoryPrompts(), where=t.where) for r, t in zip(group, tasks)
-        ]
-        n_calls = {len(t.chunks) + 1 for t in tasks}
+        episodes = []
+        for row in group:
+            task = parse_row(row["extra_info"], row["reward_model"])
+            context = CallContext(tokenizer, list(row["prompt"]), MemoryPrompts(), where=task.where)
+            episodes.append(MemoryEpisode(task, context, memory_tokens, answer_tokens))
+        n_calls = {e.num_calls for e in episodes}
         if len(n_calls) != 1:
             raise ValueError(
                 f"rows {start}..{start + len(group) - 1}: episodes with different call counts {n_calls} in one batch"
             )
-        n = n_calls.pop()
-        memories: list[tuple[int, ...]] = [()] * len(group)
         calls: list[list[AgentCall]] = [[] for _ in group]
-        prompts_text = MemoryPrompts()
-        for t in range(n):
+        for t in range(n_calls.pop()):
             model = second if switch_at is not None and t >= switch_at else first
-            texts = [tokenizer.decode(m, skip_special_tokens=True) for m in memories]
-            if t < n - 1:
-                prompts = [
-                    c.prefix_ids + c.memory_call(m, task.chunks[t], t, n - 1)
-                    for c, m, task in zip(contexts, memories, tasks)
-                ]
-                users = [prompts_text.memory_message(x, task.chunks[t], t, n - 1) for x, task in zip(texts, tasks)]
-                budget = memory_tokens
-            else:
-                prompts = [c.prefix_ids + c.answer_call(m) for c, m in zip(contexts, memories)]
-                users = [prompts_text.answer_message(x) for x in texts]
-                budget = answer_tokens
+            users = [e.message(tokenizer.decode(e.kept_ids, skip_special_tokens=True)) for e in episodes]
+            requests = [e.next_call() for e in episodes]
             stops = _stop_ids(model, tokenizer)
             replies = _generate(
                 model,
-                prompts,
-                budget,
+                [r.prompt_ids for r in requests],
+                requests[0].budget,
                 tokenizer.pad_token_id,
                 stops,
                 sample,
                 None if seed is None else seed * 1000 + start * 10 + t,
             )
-            memories = [r[:-1] if r and r[-1] in stops else r for r in replies]
-            for i, (p, r, u, m) in enumerate(zip(prompts, replies, users, memories)):
-                calls[i].append(AgentCall(t, tuple(p), r, u, tokenizer.decode(m, skip_special_tokens=True)))
-        for i, (task, episode_calls) in enumerate(zip(tasks, calls)):
-            answer = tokenizer.decode(memories[i], skip_special_tokens=True)
-            score = score_answers(parse_answers(answer, len(task.answer_sets)), task.answer_sets, task.answer_modes)
-            out.append(AgentEpisode(start + i, tuple(episode_calls), answer, float(score.f1)))
+            for e, episode_calls, request, reply, user in zip(episodes, calls, requests, replies, users):
+                e.receive(reply, stopped=bool(reply) and reply[-1] in stops)
+                text = tokenizer.decode(e.kept_ids, skip_special_tokens=True)
+                episode_calls.append(AgentCall(t, request.prompt_ids, reply, user, text))
+        for i, (e, episode_calls) in enumerate(zip(episodes, calls)):
+            answer = tokenizer.decode(e.kept_ids, skip_special_tokens=True)
+            out.append(AgentEpisode(start + i, tuple(episode_calls), answer, float(e.score(answer).f1)))
     return out
 
 
