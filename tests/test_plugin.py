@@ -36,20 +36,24 @@ def test_import_verl_loads_our_registrations(tmp_path):
     assert "verl_memopd.plugin" in _python("import sys, verl; print(sorted(sys.modules))", tmp_path).stdout
 
 
-def test_registrations_survive_importing_the_teacher_worker_first(tmp_path):
-    """Ray unpickles MemopdTeacherWorker, so that process imports verl_memopd.trainer.teacher before verl:
-    the plugin must still register everything (an import cycle would be swallowed by verl)."""
+@pytest.mark.parametrize("first", ["verl_memopd.trainer.teacher", "verl_memopd.trainer.critic"])
+def test_the_plugin_loads_when_a_worker_module_is_imported_first(tmp_path, first):
+    """Ray unpickles MemopdTeacherWorker / MemopdCriticWorker, so such a process imports their module before verl:
+    verl's own load of the plugin must still succeed, with every registration (an import cycle through verl would
+    fail it, and verl would swallow the error)."""
     proc = _python(
-        "import json, verl_memopd.trainer.teacher; from verl.workers.engine.base import EngineRegistry; "
-        "print(json.dumps(sorted(k for k in EngineRegistry._engines if k.startswith('memopd'))))",
+        f"import json, sys, {first}; from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY; "
+        "from verl.workers.engine.base import EngineRegistry; "
+        "print(json.dumps(['verl_memopd.plugin' in sys.modules, 'memopd' in TRAINER_REGISTRY, "
+        "sorted(k for k in EngineRegistry._engines if k.startswith('memopd'))]))",
         tmp_path,
         {"VERL_PLATFORM": "cpu"},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [
-        "memopd_language_model",
-        "memopd_teacher",
-        "memopd_value_model",
+        True,
+        True,
+        ["memopd_language_model", "memopd_teacher", "memopd_value_model"],
     ]
 
 

@@ -19,9 +19,9 @@ from verl_runs.launcher import run_main_ppo
 from verl_memopd.agent.loop import MemoryAgentConfig
 from verl_memopd.losses.actor import OPDLossConfig
 from verl_memopd.losses.chunked import Chunking
-from verl_memopd.supervision import SupervisionError
+from verl_memopd.supervision import SupervisionError, load_output_head
 from verl_memopd.trainer.config import LOSS_KEYS, DistillConfig, MemopdConfig, MemopdConfigError, from_config
-from verl_memopd.trainer.teacher import check_teacher_compatible, load_output_head
+from verl_memopd.trainer.teacher import check_teacher_compatible
 
 
 def _compose(tmp_path, monkeypatch, *overrides):

@@ -28,6 +28,7 @@ __all__ = [
     "TEACHER_TOPK_LOGPROBS",
     "TEACHER_TAIL_LOGPROB",
     "TEACHER_OUTPUT_KEY",
+    "TEACHER_TRANSPORT",
     "TEACHER_HIDDEN_FLAT",
     "TEACHER_HIDDEN_ALIGNED",
     "RCE_FLAG",
@@ -90,6 +91,8 @@ TEACHER_TOPK_LOGPROBS = "memopd_teacher_topk_logprobs"
 TEACHER_TAIL_LOGPROB = "memopd_teacher_tail_logprob"
 #: non-tensor option of a teacher batch: the field its hidden states go to
 TEACHER_OUTPUT_KEY = "memopd_teacher_output_key"
+#: non-tensor option of a teacher batch: ``{"name": transport, "vocab_size": V, **transport options}``
+TEACHER_TRANSPORT = "memopd_transport"
 #: the teacher's hidden states on the flat rows (``memopd.teacher.state=flat``)
 TEACHER_HIDDEN_FLAT = "memopd_teacher_hidden_flat"
 #: the audit pass of ``memopd.teacher.state=flat``: the teacher on the aligned rows

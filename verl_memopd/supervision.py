@@ -30,6 +30,7 @@ import json
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Mapping, Optional
 
 import torch
@@ -41,6 +42,7 @@ __all__ = [
     "SupervisionError",
     "VocabSpec",
     "check_vocab_agreement",
+    "load_output_head",
     "HiddenTarget",
     "TopKTarget",
     "Transport",
@@ -130,6 +132,28 @@ def check_vocab_agreement(student: VocabSpec, teacher: VocabSpec) -> int:
     if problems:
         raise SupervisionError("student and teacher vocabularies disagree -- " + "; ".join(problems))
     return student.vocab_size
+
+
+# --- the teacher's output head -------------------------------------------------------------
+def load_output_head(path: str) -> torch.Tensor:
+    """The teacher's output head weight (V_rows, H) from its safetensors, without loading the model."""
+    from safetensors import safe_open
+
+    folder = Path(path).expanduser()
+    index = folder / "model.safetensors.index.json"
+    tied = json.loads((folder / "config.json").read_text()).get("tie_word_embeddings", False)
+    names = ["model.embed_tokens.weight"] if tied else ["lm_head.weight"]
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({weight_map[n] for n in names if n in weight_map})
+    else:
+        files = ["model.safetensors"]
+    for file in files:
+        with safe_open(str(folder / file), framework="pt") as f:
+            for name in names:
+                if name in f.keys():
+                    return f.get_tensor(name)
+    raise FileNotFoundError(f"{path}: no {names[0]} in its safetensors files")
 
 
 # --- what the actor receives ----------------------------------------------------------------

@@ -47,12 +47,13 @@ from verl_memopd.fields import (
     STUDENT_LOGITS_STREAM,
     TEACHER_MASK,
     TEACHER_OUTPUT_KEY,
+    TEACHER_TRANSPORT,
 )
 from verl_memopd.losses.actor import assign_global_teacher_counts
 from verl_memopd.platform.patches import patch_verl_valuehead_attention
 from verl_memopd.segments import SegmentMeta, padded_batch_segments, segment_meta
 from verl_memopd.streams import calls_alone, share_prefix
-from verl_memopd.supervision import encode_teacher_rows, get_transport
+from verl_memopd.supervision import encode_teacher_rows, get_transport, load_output_head
 from verl_memopd.trainer.audit import engine_rce_fields
 
 _DEVICES = ["cuda", "npu", "cpu"]
@@ -308,11 +309,6 @@ class MemopdTeacherEngine(_PackedRows, FSDPEngineWithLMHead):
 
     def _encode(self, rows: list[torch.Tensor], micro_batch) -> dict[str, torch.Tensor]:
         """The supervision payload of the rows' hidden states (A_b, H) under ``memopd_transport``."""
-        # imported here: the teacher worker's process imports trainer.teacher first (Ray unpickles the worker
-        # class), whose `import verl` loads the plugin, which imports this module; a module-level import
-        # would find trainer.teacher half-initialised and verl would drop every memopd engine registration
-        from verl_memopd.trainer.teacher import TEACHER_TRANSPORT, load_output_head
-
         spec = dict(tu.get_non_tensor_data(data=micro_batch, key=TEACHER_TRANSPORT, default={"name": "hidden"}))
         name, vocab_size = spec.pop("name"), spec.pop("vocab_size", None)
         transport = get_transport(name, **spec)

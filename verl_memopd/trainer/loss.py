@@ -25,8 +25,8 @@ from verl_memopd.fields import (
     TEACHER_NUM_TOKENS,
 )
 from verl_memopd.losses.actor import OPDLossConfig, memopd_actor_loss
+from verl_memopd.supervision import load_output_head
 from verl_memopd.trainer.audit import teacher_layout_kl
-from verl_memopd.trainer.teacher import load_output_head
 
 
 class MemopdActorLoss:

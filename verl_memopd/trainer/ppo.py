@@ -35,7 +35,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.debug import marked_timer
 
 from verl_memopd.agent import errors as agent_errors
-from verl_memopd.fields import RCE_FIELD, RCE_FLAG, RCE_TOLERANCE_FIELD, TEACHER_OUTPUT_KEY
+from verl_memopd.fields import RCE_FIELD, RCE_FLAG, RCE_TOLERANCE_FIELD, TEACHER_OUTPUT_KEY, TEACHER_TRANSPORT
 from verl_memopd.trainer.audit import put_rce_records, rce_check, rce_metrics
 from verl_memopd.trainer.config import MemopdConfigError, from_config
 from verl_memopd.trainer.critic import MemopdCriticWorker
@@ -43,7 +43,6 @@ from verl_memopd.trainer.loss import MemopdActorLoss
 from verl_memopd.trainer.reward import penalise_in_place
 from verl_memopd.trainer.rows import restore_layout
 from verl_memopd.trainer.teacher import (
-    TEACHER_TRANSPORT,
     MemopdTeacherWorker,
     check_teacher_compatible,
     teacher_passes,

@@ -7,19 +7,16 @@ rows in the flat layout, the persistent history (``state=flat``; see :func:`teac
 its supervision at m_T positions to TransferQueue: ``memopd_teacher_hidden`` (the ``hidden``
 transport: final hidden states, (B, A_b*, H)) or the ``topk`` transport's ids / log-probs / tail.
 With ``hidden`` the actor turns the states into exact full-vocabulary teacher log-probs with a
-frozen copy of the teacher's output head (:func:`load_output_head`); no ``[tokens, vocab]``
+frozen copy of the teacher's output head (``supervision.load_output_head``); no ``[tokens, vocab]``
 logits cross workers.
 """
 
 from __future__ import annotations
 
-import json
 from copy import deepcopy
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
-import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, TrainingWorkerConfig
@@ -30,8 +27,6 @@ from verl_memopd.supervision import VocabSpec, check_vocab_agreement
 from verl_memopd.trainer.config import MemopdConfig
 
 TEACHER_MODEL_TYPE = "memopd_teacher"
-#: non-tensor option of a teacher batch: {"name": transport, "vocab_size": V, **transport options}
-TEACHER_TRANSPORT = "memopd_transport"
 
 
 @dataclass(frozen=True)
@@ -116,24 +111,3 @@ def _vocab_spec(name: str, path: str) -> VocabSpec:
 def check_teacher_compatible(student_path: str, teacher_path: str) -> int:
     """Start-up check: student and teacher share tokenizer length and special ids; returns V."""
     return check_vocab_agreement(_vocab_spec("student", student_path), _vocab_spec("teacher", teacher_path))
-
-
-def load_output_head(path: str) -> torch.Tensor:
-    """The teacher's output head weight (V_rows, H) from its safetensors, without loading the model."""
-    from safetensors import safe_open
-
-    folder = Path(path).expanduser()
-    index = folder / "model.safetensors.index.json"
-    tied = json.loads((folder / "config.json").read_text()).get("tie_word_embeddings", False)
-    names = ["model.embed_tokens.weight"] if tied else ["lm_head.weight"]
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({weight_map[n] for n in names if n in weight_map})
-    else:
-        files = ["model.safetensors"]
-    for file in files:
-        with safe_open(str(folder / file), framework="pt") as f:
-            for name in names:
-                if name in f.keys():
-                    return f.get_tensor(name)
-    raise FileNotFoundError(f"{path}: no {names[0]} in its safetensors files")
