@@ -17,6 +17,7 @@ they are validated once, here, so later stages can trust them::
         response_logprobs                     (R_t,)       rollout log-probs (pi_old)
         action_mask    m_act                  (R_t,)       True where policy-sampled
         teacher_mask   m_T <= m_act           (R_t,)       True where the teacher supervises
+        policy_version (v_first, v_last)                   trainer steps of the weights that sampled a_t
 
 Errors name the episode, the call and the field (``episode 'e3' call 2: response_logprobs
 has 7 entries, response_ids has 8``): bad records are refused, never repaired.
@@ -28,7 +29,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional
 
-__all__ = ["Invocation", "Episode", "RecordError"]
+__all__ = ["Invocation", "Episode", "RecordError", "as_policy_version"]
 
 
 class RecordError(ValueError):
@@ -53,6 +54,23 @@ def _as_bool_tuple(name: str, values: Iterable[Any], where: str) -> tuple[bool, 
     return tuple(out)
 
 
+def as_policy_version(value: Any, where: str) -> tuple[int, int]:
+    """``(first, last)`` as two integers with ``0 <= first <= last``, or a RecordError naming the field."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2:
+        raise RecordError(f"{where}: policy_version {value!r} is not a (first, last) pair of weight versions")
+    first, last = value
+    for name, v in (("first", first), ("last", last)):
+        if isinstance(v, bool) or not (isinstance(v, int) or hasattr(v, "__index__")):
+            raise RecordError(f"{where}: policy_version {name} = {v!r} is not an integer weight version")
+    first, last = int(first), int(last)
+    if not 0 <= first <= last:
+        raise RecordError(
+            f"{where}: policy_version ({first}, {last}) must satisfy 0 <= first <= last "
+            f"(first: the weights that sampled the call's first token, last: its last token)"
+        )
+    return first, last
+
+
 @dataclass(frozen=True)
 class Invocation:
     """One model call, exactly as sent to and returned by the rollout server.
@@ -70,6 +88,12 @@ class Invocation:
             memory ``m_t`` for the next call, or None when nothing was retained.
         finish_reason: the server's stop reason: ``"stop"`` (eos / stop token) or
             ``"length"`` (hit the token budget; the call is truncated, and this is recorded).
+        policy_version: ``(first, last)`` policy version of the weights that sampled ``response_ids``: verl's
+            weight version, the trainer step whose update the rollout server last received (0 = the initial
+            weights), as its server client reports it per call (``min_global_steps`` / ``max_global_steps``).
+            ``first < last`` when a partial rollout (verl's async trainers) paused the call across a weight
+            update and resumed it: its earlier tokens were sampled by ``first``, its later ones by ``last``.
+            None when the server reported no version (records written before the field existed read as None).
     """
 
     prompt_ids: tuple[int, ...]
@@ -79,6 +103,7 @@ class Invocation:
     teacher_mask: Optional[tuple[bool, ...]] = None
     memory_span: Optional[tuple[int, int]] = None
     finish_reason: str = "stop"
+    policy_version: Optional[tuple[int, int]] = None
 
     def __post_init__(self) -> None:
         self._validate(where="invocation")
@@ -120,6 +145,8 @@ class Invocation:
             set_(self, "memory_span", (s, e))
         if self.finish_reason not in ("stop", "length"):
             raise RecordError(f"{where}: finish_reason {self.finish_reason!r} is not 'stop' or 'length'")
+        if self.policy_version is not None:
+            set_(self, "policy_version", as_policy_version(self.policy_version, where))
 
     # --- derived views --------------------------------------------------------------
     @property
