@@ -17,7 +17,7 @@ skips its reward manager for the row and writes it at the last response token).
 ``extra_fields`` (read by the MemOPD trainer; verl carries them through unchanged, and its
 own ``position_ids`` -- recomputed as 0..L-1 -- are NOT the restored ones):
 
-    memopd_episode       Episode.to_dict(): every invocation's exact ids, log-probs, masks
+    memopd_episode       Episode.to_dict(): every invocation's exact ids, log-probs, masks, policy_version
     memopd_position_ids  list[int] (P + R,) restored positions (each call block continues from P)
     memopd_segment_ids   list[int] (P + R,) 0 for q, t + 1 for the tokens of call t
     memopd_teacher_mask  list[int] (R,) 1 where the teacher supervises (m_T <= m_act)
@@ -222,14 +222,16 @@ class MemoryAgentLoop(AgentLoopBase):
                 f"stop id {sorted(self.stop_ids)}; add the model's stop ids to memopd.agent.stop_token_ids"
             )
         end = len(ids) - 1 if stopped else len(ids)
+        version = (out.extra_fields.get("min_global_steps"), out.extra_fields.get("max_global_steps"))
         call = Invocation(
             prompt_ids=prompt_ids,
             response_ids=tuple(ids),
             response_logprobs=tuple(out.log_probs),
             memory_span=(0, end) if keeps_memory else None,
             finish_reason="stop" if stopped else "length",
+            policy_version=None if None in version else version,
         )
-        return call, (out.extra_fields.get("min_global_steps"), out.extra_fields.get("max_global_steps"))
+        return call, version
 
     def _output(
         self,
