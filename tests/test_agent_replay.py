@@ -23,7 +23,7 @@ class NoServer:
         raise AssertionError("the replay agent sent a request to the rollout server")
 
 
-def _replay(tok, row, config=None):
+def _replay(tok, row, config=None, **run_kwargs):
     async def go():
         config_ = config if config is not None else _config()
         loop = hydra.utils.instantiate(
@@ -43,6 +43,7 @@ def _replay(tok, row, config=None):
             data_source=row["data_source"],
             uid="u3",
             index=3,
+            **run_kwargs,
         )
 
     return asyncio.run(go())
@@ -77,6 +78,12 @@ def test_replay_reproduces_the_live_row_without_the_server(tokenizer, live):  # 
     assert [c.finish_reason for c in calls] == [c.finish_reason for c in episode.invocations]
     assert all(lp == 0.0 for c in calls for lp in c.response_logprobs)  # placeholders: nothing was sampled
     assert any(lp != 0.0 for c in episode.invocations for lp in c.response_logprobs)  # (the live ones were not)
+
+
+def test_replayed_rows_carry_the_staleness_tags_verl_requires(tokenizer, live):  # noqa: F811
+    row, _, episode = live
+    replayed = _replay(tokenizer, _replay_row(row, episode), global_steps=7, session_id=0)
+    assert (replayed.extra_fields["min_global_steps"], replayed.extra_fields["max_global_steps"]) == (7, 7)
 
 
 def test_replay_refuses_a_context_that_differs_from_the_recording(tokenizer, live):  # noqa: F811

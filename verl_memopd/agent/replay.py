@@ -16,7 +16,9 @@ Log-probs: the replayed tokens were not sampled by the rollout policy, so the re
 their rollout log-probs, and the loop refuses verl's bypass mode (``algorithm.rollout_correction.bypass_mode``,
 which would take those placeholders as the old log-probs): the trainer recomputes the old log-probs with the actor.
 verl's rollout-vs-trainer log-prob metrics (``training/rollout_probs_diff_*``) compare against the placeholders and
-mean nothing in such a run. No request reaches the rollout server.
+mean nothing in such a run. Every call is tagged with the trainer step that asked for it as its weight version
+(verl's staleness tags ``min/max_global_steps`` are required on every row; a replayed token belongs to no policy
+version, so its staleness reads 0). No request reaches the rollout server.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class ReplayAgentLoop(MemoryAgentLoop):
                 "them)"
             )
         self._recorded: list[dict] = []
+        self._step: Optional[int] = None
 
     async def _run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         extra = kwargs.get("extra_info") or {}
@@ -61,6 +64,8 @@ class ReplayAgentLoop(MemoryAgentLoop):
         if recorded is None or len(recorded) == 0:
             raise ReplayError(f"{where}: extra_info.{REPLAY} is missing or empty; {REPLAY_AGENT_NAME} needs the calls")
         self._recorded = [dict(c) for c in recorded]
+        step = kwargs.get("global_steps")
+        self._step = None if step is None else int(step)
         n_recorded = len(self._recorded)
         output = await super()._run(sampling_params, **kwargs)
         if self._recorded:
@@ -107,4 +112,4 @@ class ReplayAgentLoop(MemoryAgentLoop):
             memory_span=(0, end) if keeps_memory else None,
             finish_reason="stop" if stopped else "length",
         )
-        return invocation, (None, None)
+        return invocation, (self._step, self._step)

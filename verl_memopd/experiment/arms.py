@@ -45,6 +45,7 @@ def arm_command(
     lr = variant.lr if variant is not None and variant.lr is not None else a.lr
     run_dir = paths.arm(arm, seed) if variant is None else paths.sweep_run(variant.name, arm, seed)
     return main_ppo(
+        f"data.max_response_length={cfg.max_response_length}",
         f"actor_rollout_ref.model.path={student}",
         f"memopd.teacher.path={teacher}",
         "ray_kwargs.ray_init.num_gpus=2",

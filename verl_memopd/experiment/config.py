@@ -186,6 +186,9 @@ class ExperimentConfig:
     #: teacher takes over from the student at call t (eval stage), and each arm's reverse KL to the teacher on one
     #: fixed set of the start student's rollouts at every saved step
     heldout: bool = False
+    #: ``data.max_response_length`` of every run (evals and arms): a packed episode's calls must fit in it, or the
+    #: agent refuses the episode (and verl's validation leaves it out of the F1); h12's longest need ~2.2k tokens
+    max_response_length: int = 2048
     #: the task presets (``python -m verl_memopd.tasks build --preset``) the experiment runs on. One preset: the
     #: stages read and write the unscoped paths. Several (the horizon study): each gets its own episodes, evals,
     #: arms and results (``Paths.at``), ``n_train/n_val/n_test`` episodes each, while the models and the two SFT
@@ -350,6 +353,8 @@ def smollm2_horizon_config() -> ExperimentConfig:
         teacher_sft=replace(base.teacher_sft, steps=300, warmup_steps=4),
         student_eval_steps=(),
         student_f1_band=None,
+        # h12's packed episodes reach ~2.2k response tokens (22 of 128 test episodes exceeded 2048, measured)
+        max_response_length=4096,
         # the summary line's arms (horizon.SUMMARY_ARMS); PPO alone is settled at T=3 (results/cpu_smollm2)
         arms=replace(base.arms, arms=("memopd", "opd", "kd_soft", "kd", "sft", "flat")),
     )

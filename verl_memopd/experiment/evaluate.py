@@ -49,9 +49,10 @@ __all__ = [
 EvalResult = dict  # {"role", "step", "split", "f1", "em", "wall_s", "model", "episodes"} (+ memory diagnostics)
 
 
-def eval_command(model: Path, val_file: Path, workdir: Path, val_batch: int) -> list[str]:
+def eval_command(model: Path, val_file: Path, workdir: Path, val_batch: int, max_response_length: int) -> list[str]:
     """verl validation of ``model`` on ``val_file`` (greedy, the memory agent), nothing trained."""
     return main_ppo(
+        f"data.max_response_length={max_response_length}",
         f"actor_rollout_ref.model.path={model}",
         "memopd.distill.coef=0",
         "memopd.kl_penalty_coef=0",
@@ -85,7 +86,10 @@ def episode_scores(dump_dir: Path, n: int) -> list[dict]:
         raise RuntimeError(f"{dump_dir}: expected one validation dump (<step>.jsonl), found {[d.name for d in dumps]}")
     lines = [json.loads(line) for line in dumps[0].read_text().splitlines() if line.strip()]
     if len(lines) != n:
-        raise RuntimeError(f"{dumps[0]}: {len(lines)} samples, the split has {n} episodes")
+        raise RuntimeError(
+            f"{dumps[0]}: {len(lines)} samples, the split has {n} episodes: verl's validation leaves out an episode "
+            "the agent refused (e.g. 'packed episode needs ... response_length'; see the run's main_ppo.log)"
+        )
     return [
         {
             "f1": float(x["f1"]),
@@ -117,7 +121,7 @@ def eval_model(
     )
     log = workdir / "main_ppo.log"
     run_logged(
-        heavy(eval_command(model, split_file, workdir, n), cfg.timeout_s),
+        heavy(eval_command(model, split_file, workdir, n, cfg.max_response_length), cfg.timeout_s),
         log,
         cpu_env(paths.root),
         None,
