@@ -213,7 +213,8 @@ class ExperimentConfig:
 
 def full_config() -> ExperimentConfig:
     """The measured experiment: a 4-layer/256 teacher SFT'd on 4k steps of the oracle's calls (~2 epochs), a
-    2-layer/128 student after a short SFT, 3 arms x 3 seeds of RL from that student (sizes: CPU_NOTES.md probe)."""
+    2-layer/128 student after a short SFT, 3 arms x 3 seeds of RL from that student (sizes: a plain-PyTorch probe
+    of the task)."""
     return ExperimentConfig(
         name="cpu_tiny",
         data_seed=0,
