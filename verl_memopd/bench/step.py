@@ -40,7 +40,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 __all__ = ["MODELS", "STAGES", "StepRun", "command", "main", "plain_tokens_per_s", "steady_steps", "summary_line"]
 
@@ -233,6 +233,118 @@ def plain_tokens_per_s(
     return rows * length / seconds
 
 
+def premise(model_path: Optional[Path], threads: int, tokens: int = 256) -> Iterator[str]:
+    """Seconds, fp32 vs bf16, of the kernels a step is made of (one run each after a warm-up; bf16 may be
+    emulated): ``torch.matmul`` at n = 1024 and 2048, a SmolLM2-sized MLP linear (576 -> 1536, ``tokens`` rows)
+    forward+backward in bf16 weights and under autocast, and with ``model_path`` the whole model's
+    forward+backward on one ``tokens``-token sequence (fp32, bf16 autocast over fp32 weights, bf16 weights)."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+
+    def seconds(fn) -> float:
+        fn()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    yield (
+        f"premise: threads={threads} cpu={torch.backends.cpu.get_cpu_capability()} "
+        f"avx512_bf16={int(torch.cpu._is_avx512_bf16_supported())} amx={int(torch.cpu._is_amx_tile_supported())}"
+    )
+    for n in (1024, 2048):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        f32 = seconds(lambda: a @ b)
+        a16, b16 = a.bfloat16(), b.bfloat16()
+        b16s = seconds(lambda: a16 @ b16)
+        yield (f"matmul n={n:<5d} fp32 {f32:9.4f} s  bf16 {b16s:9.4f} s  fp32/bf16 {f32 / b16s:7.3f}")
+    x, w = torch.randn(tokens, 576), torch.randn(1536, 576) * 0.02
+
+    def linear(dtype, autocast):
+        xi = x.to(dtype).requires_grad_(True)
+        wi = w.to(dtype).requires_grad_(True)
+
+        def run():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = F.linear(xi, wi)
+            y.float().sum().backward()
+
+        return run
+
+    f32 = seconds(linear(torch.float32, False))
+    for name, fn in (("bf16 weights", linear(torch.bfloat16, False)), ("bf16 autocast", linear(torch.float32, True))):
+        t = seconds(fn)
+        yield (f"linear 576->1536 x {tokens} fwd+bwd fp32 {f32:8.4f} s  {name} {t:8.4f} s  fp32/bf16 {f32 / t:7.3f}")
+    if model_path is not None:
+        from transformers import AutoModelForCausalLM
+
+        ids = torch.randint(0, 1000, (1, tokens))
+
+        def model_step(dtype, autocast):
+            model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, attn_implementation="sdpa")
+
+            def run():
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    logits = model(input_ids=ids, use_cache=False).logits
+                torch.log_softmax(logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None]).mean().backward()
+
+            return run
+
+        f32 = seconds(model_step(torch.float32, False))
+        for name, args in (("bf16 autocast", (torch.float32, True)), ("bf16 weights", (torch.bfloat16, False))):
+            t = seconds(model_step(*args))
+            yield (
+                f"model {Path(model_path).name} fwd+bwd {tokens} tokens fp32 {f32:8.3f} s  {name} {t:8.3f} s  "
+                f"fp32/bf16 {f32 / t:7.3f}"
+            )
+
+
+def actor_factors(model_path: Path, rows: int, length: int, threads: Sequence[int] = (1, 2)) -> list[str]:
+    """Plain-PyTorch fp32 seconds of one micro-batch (``rows`` x ``length`` tokens, forward + full-vocabulary
+    log-softmax loss + backward) under the settings that separate verl's actor update from plain PyTorch on
+    CPU: torch threads (Ray gives a worker without ``num_cpus`` one), activation recomputation (verl's
+    ``enable_gradient_checkpointing``, default true) and the extra full-vocabulary head pass of the OPD term."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32, attn_implementation="sdpa")
+    model.train()
+    head = model.get_output_embeddings().weight.detach().clone()
+    ids = torch.randint(0, model.config.vocab_size, (rows, length))
+
+    def one(opd: bool) -> float:
+        start = time.perf_counter()
+        out = model(input_ids=ids, use_cache=False, output_hidden_states=opd)
+        loss = -torch.log_softmax(out.logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).mean()
+        if opd:  # a frozen teacher head over the last hidden states: the reverse KL's second (N, V) pass
+            t = torch.log_softmax(out.hidden_states[-1].detach() @ head.T, -1)
+            s_ = torch.log_softmax(out.logits.float(), -1)
+            loss = loss + (s_.exp() * (s_ - t)).sum(-1).mean()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    lines = []
+    for n in threads:
+        torch.set_num_threads(n)
+        for recompute in (False, True):
+            if recompute:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_disable()
+            for opd in (False, True):
+                one(opd)
+                t = one(opd)
+                lines.append(
+                    f"factors threads={n} recompute={int(recompute)} opd_head={int(opd)} "
+                    f"{rows}x{length} tokens: {t:8.3f} s  {rows * length / t:9.1f} tokens/s"
+                )
+    return lines
+
+
 def _ratio(a: float, b: float) -> float:
     return a / b if b and b == b and a == a else float("nan")
 
@@ -298,7 +410,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         default=int(os.environ.get("OMP_NUM_THREADS", "1")),
         help="threads of the plain-PyTorch baseline (verl's Ray workers: OMP_NUM_THREADS, else 1)",
     )
+    parser.add_argument(
+        "--premise",
+        action="store_true",
+        help="only time the kernels (matmul, a SmolLM2 linear, the model's forward+backward) in fp32 and bf16",
+    )
+    parser.add_argument(
+        "--factors",
+        type=int,
+        nargs=2,
+        metavar=("ROWS", "LENGTH"),
+        help="only time one fp32 micro-batch in plain PyTorch under verl's actor settings (threads, recomputation)",
+    )
     args = parser.parse_args(argv)
+    if args.factors:
+        print("\n".join(actor_factors(_prepare(args.model, args.out.resolve())[0], *args.factors)))
+        return 0
+    if args.premise:
+        model = None if args.model == "tiny" else _prepare(args.model, args.out.resolve())[0]
+        for line in premise(model, args.threads):
+            print(line, flush=True)
+        return 0
     steady_steps(args.steps, args.steps)  # fails early on --steps < 2
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
