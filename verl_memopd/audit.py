@@ -8,7 +8,7 @@ neither verl nor the trainer.
 
 The tolerance rule (fp32: ``TOLERANCES``; bf16 / fp16: ``NOISE_FLOOR_RULES``, the measured noise floor of
 the model's own low-precision pass against an fp32 reference of the same weights) is stated, justified
-and measured in one place: the ``verl_memopd.rce`` module docstring (and the README's RCE section).
+and measured in one place: the ``verl_memopd.rce`` module docstring (and docs/recipe.md's RCE section).
 
 Per call the audits also report ``max_kl`` (``max_k KL(p_alone || p_packed)`` of the next-token
 distributions) and ``top1_agreement`` (share of action tokens whose argmax agrees): what training

@@ -42,7 +42,7 @@ __all__ = [
 #: ``{"prompt_ids": [...], "response_ids": [...]}`` per call in order
 REPLAY = "memopd_replay"
 
-# -- the agent loop's ``AgentLoopOutput.extra_fields`` (the contract of an agent loop; docs/agents.md) ----------
+# -- the agent loop's ``AgentLoopOutput.extra_fields`` (the contract of an agent loop; docs/agent_contract.md) --
 #: the episode's invocation records, ``records.Episode.to_dict()``
 EPISODE = "memopd_episode"
 #: (L,) the packed row's restored positions: each call's tokens at the positions the call saw

@@ -29,7 +29,7 @@ tokens taken there) and student logits (fp32 straight from the matmul on CUDA) i
 through the softmax, diagnostics), the temperature applied to the logits in fp32 only when it is not 1,
 and the per-row factor w / T folded into the (n, H) sides of the gradient matmuls: ~3.5 fp32 (n, V)
 buffers for reverse KL. Token chunks: 128 suits CPUs (``Chunking`` default); on a GPU 128-row chunks
-leave the head matmuls memory-bound, ``CUDA_TOKEN_CHUNK`` = 512 (README "GPU figures": 43.6 ms,
+leave the head matmuls memory-bound, ``CUDA_TOKEN_CHUNK`` = 512 (docs/deployment.md "GPU figures": 43.6 ms,
 1.79 GiB for 4096 positions on an H200 against naive fp32's 256 ms, 16.3 GiB).
 
 Other targets (the ``topk`` transport's K + 1 bins, :mod:`verl_memopd.losses.bins`) register a

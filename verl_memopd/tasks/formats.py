@@ -178,8 +178,8 @@ def generic(
         raise Refused(
             "missing_field",
             "no " + ", no ".join(missing) + f" [--format {fmt}]; the record has "
-            f"fields {sorted(record)}: rename them to context, question, answers, or see README "
-            f"'Your own data' for the formats read",
+            f"fields {sorted(record)}: rename them to context, question, answers, or see docs/data.md "
+            f"for the formats read",
         )
     (_, ctx), (q_name, q_value), (a_name, a_value) = found["context"], found["question"], found["answers"]
     questions, single = _questions(q_value, q_name)
