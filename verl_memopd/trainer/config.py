@@ -30,6 +30,10 @@ TEACHER_PLACEMENTS = ("separate", "colocate")
 #: tokens only; memory = the memory calls' tokens only (ablations: where does the teacher's supervision act?)
 TEACHER_MASK_POLICIES = ("action", "answer", "memory")
 AUDIT_ON_FAILURE = ("raise", "warn")  # memopd.audit.on_failure (verl_memopd.trainer.audit.rce_check)
+#: memopd.trainer.base: the verl V1 trainer MemOPD's additions compose onto (docs/async.md)
+TRAINER_BASES = ("sync", "colocate_async", "separate_async")
+#: verl's own trainer_mode names: with the memopd tree they would run verl's trainer without MemOPD
+VERL_TRAINER_MODES = TRAINER_BASES
 
 
 class MemopdConfigError(ValueError):
@@ -134,6 +138,24 @@ class AuditConfig:
 
 
 @dataclass(frozen=True)
+class TrainerConfig:
+    """``memopd.trainer``: which of verl's V1 trainers MemOPD's additions are composed onto (docs/async.md).
+
+    base: ``sync`` (verl's ``PPOTrainerSync``: generate, then train, every sample on-policy), ``colocate_async``
+        (``PPOTrainerColocateAsync``: rollout and training share the devices, partial rollouts paused at the
+        step's end and resumed under the new weights, a warm-up batch in flight) or ``separate_async``
+        (``PPOTrainerSeparateAsync``: a standalone rollout pool, weights sent every step through a checkpoint
+        engine: ``actor_rollout_ref.rollout.checkpoint_engine.backend`` nccl / nixl / mooncake, GPUs only).
+    """
+
+    base: str = "sync"
+
+    def __post_init__(self) -> None:
+        if self.base not in TRAINER_BASES:
+            raise MemopdConfigError(f"memopd.trainer.base={self.base!r}: expected one of {TRAINER_BASES}")
+
+
+@dataclass(frozen=True)
 class MemopdConfig:
     """``memopd``: layout, task-branch coefficients, teacher branch and audits; ``agent`` is read by
     the memory agent loop itself.
@@ -164,6 +186,7 @@ class MemopdConfig:
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     agent: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -293,7 +316,9 @@ def _build(cls, node: Any, where: str):
     kwargs = {}
     for name, value in data.items():
         sub = (
-            {"teacher": TeacherConfig, "distill": DistillConfig, "audit": AuditConfig}.get(name)
+            {"teacher": TeacherConfig, "distill": DistillConfig, "audit": AuditConfig, "trainer": TrainerConfig}.get(
+                name
+            )
             if cls is MemopdConfig
             else None
         )
@@ -316,6 +341,7 @@ def from_config(config: DictConfig) -> MemopdConfig:
     memopd = _build(MemopdConfig, OmegaConf.to_container(node, resolve=True), "memopd")
     _check_agent(memopd.agent)
     _check_data_needs(config)
+    _check_trainer_base(config, memopd.trainer.base)
     actor = (config.get("actor_rollout_ref") or {}).get("actor") or {}
     if actor.get("use_prefix_grouper", False):
         raise MemopdConfigError(
@@ -332,6 +358,71 @@ def from_config(config: DictConfig) -> MemopdConfig:
             "algorithm.use_kl_in_reward=false (or memopd.kl_penalty_coef=0 for verl's own)"
         )
     return memopd
+
+
+def _on_cpu(config: DictConfig) -> bool:
+    import os
+
+    return os.environ.get("VERL_PLATFORM") == "cpu" or (config.get("trainer") or {}).get("device") == "cpu"
+
+
+def _check_trainer_base(config: DictConfig, base: str) -> None:
+    """``memopd.trainer.base`` against verl's config: refuse, before Ray starts, what would run without MemOPD,
+    train stale samples against the wrong behaviour policy, or fail minutes later inside verl's async trainer."""
+    v1 = (config.get("trainer") or {}).get("v1") or {}
+    mode = v1.get("trainer_mode")
+    if mode in VERL_TRAINER_MODES:
+        raise MemopdConfigError(
+            f"trainer.v1.trainer_mode={mode} runs verl's own trainer, without MemOPD's teacher, layouts and audits; "
+            f"keep trainer.v1.trainer_mode=memopd and select verl's trainer with memopd.trainer.base={mode}"
+        )
+    if base == "sync":
+        return
+    algorithm = config.get("algorithm") or {}
+    corr = algorithm.get("rollout_correction") or {}
+    if not (corr.get("bypass_mode", False) or corr.get("rollout_is")):
+        raise MemopdConfigError(
+            f"memopd.trainer.base={base} trains samples drawn by older weights (partial rollouts even span an "
+            f"update inside a call), so PPO's ratio must use the log-probs of the version that sampled each token: "
+            f"set algorithm.rollout_correction.bypass_mode=true (old log-probs = the recorded rollout log-probs) "
+            f"or algorithm.rollout_correction.rollout_is=token|sequence (importance weights against them)"
+        )
+    rollout = (config.get("actor_rollout_ref") or {}).get("rollout") or {}
+    if not rollout.get("calculate_log_probs", False):
+        raise MemopdConfigError(
+            f"memopd.trainer.base={base} needs actor_rollout_ref.rollout.calculate_log_probs=true: the rollout "
+            f"log-probs are the behaviour policy of stale samples"
+        )
+    if base != "separate_async":
+        return
+    backend = (rollout.get("checkpoint_engine") or {}).get("backend", "naive")
+    if _on_cpu(config):
+        raise MemopdConfigError(
+            "memopd.trainer.base=separate_async on the cpu platform: verl 0.9.1's separate trainer sends weights "
+            "to its standalone rollout pool through a checkpoint engine (actor_rollout_ref.rollout.checkpoint_engine"
+            ".backend: nccl needs CUDA and cupy, nixl and mooncake their transfer libraries and device buffers, "
+            "kimi_ckpt_engine and delta_sharded NCCL); none runs on CPU, and 'naive' (in-process) is refused by "
+            "verl there. Use memopd.trainer.base=colocate_async on CPU; separate_async on GPUs (docs/async.md)"
+        )
+    if backend == "naive":
+        raise MemopdConfigError(
+            "memopd.trainer.base=separate_async needs actor_rollout_ref.rollout.checkpoint_engine.backend=nccl (or "
+            "nixl / mooncake): 'naive' only updates colocated replicas, not the standalone rollout pool"
+        )
+    if min(int(rollout.get("nnodes", 0) or 0), int(rollout.get("n_gpus_per_node", 0) or 0)) < 1:
+        raise MemopdConfigError(
+            "memopd.trainer.base=separate_async needs a standalone rollout pool: actor_rollout_ref.rollout.nnodes "
+            "and actor_rollout_ref.rollout.n_gpus_per_node >= 1"
+        )
+    data = config.get("data") or {}
+    mini = ((config.get("actor_rollout_ref") or {}).get("actor") or {}).get("ppo_mini_batch_size")
+    sync_step = (v1.get("separate_async") or {}).get("parameter_sync_step", 1)
+    if mini is not None and data.get("train_batch_size") != sync_step * mini:
+        raise MemopdConfigError(
+            f"memopd.trainer.base=separate_async: verl requires data.train_batch_size "
+            f"({data.get('train_batch_size')}) == trainer.v1.separate_async.parameter_sync_step ({sync_step}) x "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size ({mini})"
+        )
 
 
 def _check_agent(agent: dict) -> None:

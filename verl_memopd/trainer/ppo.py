@@ -1,7 +1,11 @@
-"""The ``memopd`` trainer: verl's synchronous V1 PPO trainer plus the teacher branch.
+"""The ``memopd`` trainer: one of verl's V1 PPO trainers plus the teacher branch.
 
-Registered with verl's trainer registry; the recipe selects it with
-``trainer.v1.trainer_mode=memopd``. One step, in verl's order, with MemOPD's additions marked::
+Registered with verl's trainer registry; the recipe selects it with ``trainer.v1.trainer_mode=memopd``.
+MemOPD's additions are a mixin (:class:`MemopdMixin`) composed onto the verl trainer that
+``memopd.trainer.base`` names (:func:`trainer_class`): ``sync`` (``PPOTrainerSync``, the default),
+``colocate_async`` (``PPOTrainerColocateAsync``) or ``separate_async`` (``PPOTrainerSeparateAsync``); the
+base's own classes run the loop, weight sync and partial rollouts (docs/async.md). One step, in verl's order,
+with MemOPD's additions marked::
 
     rollout (memory agent, vLLM)      rows = episodes (one verl row each)
     reward (final-answer F1)
@@ -18,18 +22,23 @@ Registered with verl's trainer registry; the recipe selects it with
 Every ``memopd.audit.every_n_steps``: RCE spot-check in the old-log-prob forward and the teacher's
 aligned-vs-flat KL (audit.py).
 
-Checkpoints, resume, logging and validation are verl's (``PPOTrainerSync``).
+Every step also logs ``memopd/staleness/*`` from the episodes' records (``verl_memopd.staleness``; 0 on ``sync``).
+
+Checkpoints, resume, logging and validation are verl's (the base trainer's).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import lru_cache
 
 import ray
 import transfer_queue as tq
 from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager
 from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.debug import marked_timer
@@ -37,9 +46,10 @@ from verl.utils.debug import marked_timer
 from verl_memopd.agent import errors as agent_errors
 from verl_memopd.fields import RCE_FIELD, RCE_FLAG, RCE_TOLERANCE_FIELD, TEACHER_OUTPUT_KEY, TEACHER_TRANSPORT
 from verl_memopd.trainer.audit import put_rce_records, rce_check, rce_metrics
-from verl_memopd.trainer.config import MemopdConfigError, from_config
+from verl_memopd.trainer.config import TRAINER_BASES, MemopdConfigError, from_config
 from verl_memopd.trainer.critic import MemopdCriticWorker
 from verl_memopd.trainer.loss import MemopdActorLoss
+from verl_memopd.trainer.offpolicy import batch_staleness_metrics, use_rollout_log_probs
 from verl_memopd.trainer.reward import penalise_in_place
 from verl_memopd.trainer.rows import restore_layout
 from verl_memopd.trainer.teacher import (
@@ -54,9 +64,20 @@ TEACHER_POOL = "memopd_teacher_pool"
 TEACHER_ROLE = "memopd_teacher"
 
 
-@register_trainer("memopd")
-class MemopdTrainer(PPOTrainerSync):
-    """Synchronous PPO with a teacher worker group scoring the packed, state-aligned rows."""
+#: memopd.trainer.base -> verl's V1 trainer class
+BASES = {
+    "sync": PPOTrainerSync,
+    "colocate_async": PPOTrainerColocateAsync,
+    "separate_async": PPOTrainerSeparateAsync,
+}
+assert tuple(BASES) == TRAINER_BASES
+
+
+class MemopdMixin:
+    """MemOPD's additions to a verl V1 trainer: a teacher worker group scoring the packed, state-aligned rows,
+    the layout restore, the combined loss, the audits and the metrics. Composed before the base class
+    (:func:`trainer_class`), so every ``super()`` call reaches the base's own step (e.g. separate_async's
+    version-aware old log-probs)."""
 
     def __init__(self, config):
         self.memopd = from_config(config)  # fail before any worker starts
@@ -72,11 +93,13 @@ class MemopdTrainer(PPOTrainerSync):
         self.use_reference_policy = self.use_reference_policy or self.memopd.uses_reference
 
     def _build_replay_buffer(self):
-        # verl 0.9.1 keys its synchronous behaviour on ``trainer_mode == "sync"`` (replay buffer,
-        # whole-batch dataloader fetches, no TransferQueue state in checkpoints); this trainer is
-        # PPOTrainerSync under its own registry name, so it reports verl's sync mode from here on.
-        self.trainer_mode = "sync"
-        self.parameter_sync_step = 1
+        # verl 0.9.1 keys its behaviour on ``trainer_mode`` (sync: its replay buffer, whole-batch dataloader
+        # fetches, no TransferQueue state in checkpoints; the async modes: ReplayBufferAsync, single-prompt
+        # fetches, in-flight prompts checkpointed) and reads ``trainer.v1.<mode>``; this trainer runs under its
+        # own registry name, so it reports its base's mode from here on (PPOTrainer.__init__ calls this first).
+        base = self.memopd.trainer.base
+        self.trainer_mode = base
+        self.parameter_sync_step = self.config.trainer.v1.get(base, {}).get("parameter_sync_step", 1)
         # verl reports rollouts that all failed without their cause; the agent loop recorded it
         return agent_errors.surface_in(super()._build_replay_buffer())
 
@@ -173,8 +196,10 @@ class MemopdTrainer(PPOTrainerSync):
             put_rce_records(batch)  # each row's invocation records: the alone pass is built from them
             batch.extra_info[RCE_FLAG] = True  # the actor engine re-runs every call alone (audit.py)
         meta = batch
-        with self._recompute_old_log_probs(audit):
+        with self._recompute_old_log_probs(audit) as recomputed:
             batch = super()._compute_old_log_prob(batch, metrics)
+        if recomputed:
+            use_rollout_log_probs(batch)  # bypass's ratio pi_theta / pi_v on audit steps too (offpolicy.py)
         if rce:
             meta.extra_info.pop(RCE_FLAG, None)  # not for the reference / critic forwards
             batch.extra_info.pop(RCE_FLAG, None)
@@ -192,14 +217,15 @@ class MemopdTrainer(PPOTrainerSync):
     def _recompute_old_log_probs(self, audit: bool):
         """verl's bypass mode (``algorithm.rollout_correction.bypass_mode=true``) takes the rollout's log-probs as
         the old ones and skips the actor's forward pass. The audits ride on that pass (the RCE spot-check, the
-        rollout vs trainer log-prob match), so audit steps still run it, with bypass off for that call only."""
+        rollout vs trainer log-prob match), so audit steps still run it, with bypass off for that call only;
+        yields whether it did (the caller then writes the rollout log-probs back as the old ones)."""
         corr = self.config.algorithm.get("rollout_correction", None)
         if not (audit and corr is not None and corr.get("bypass_mode", False)):
-            yield
+            yield False
             return
         corr.bypass_mode = False
         try:
-            yield
+            yield True
         finally:
             corr.bypass_mode = True
 
@@ -250,3 +276,32 @@ class MemopdTrainer(PPOTrainerSync):
         # task scores back under rm_scores (critic/score = F1); the penalised ones under token_level_rewards
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=after)
         return batch
+
+    def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
+        """verl's step metrics, plus ``memopd/staleness/*`` from the episodes' invocation records."""
+        super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
+        metrics.update(batch_staleness_metrics(batch, global_steps))
+
+
+@lru_cache(maxsize=None)
+def trainer_class(base: str) -> type:
+    """MemOPD on verl's V1 trainer ``base`` (``memopd.trainer.base``): ``MemopdMixin`` composed before it."""
+    if base not in BASES:
+        raise MemopdConfigError(f"memopd.trainer.base={base!r}: expected one of {TRAINER_BASES}")
+    if base == "sync":
+        return MemopdTrainer
+    name = "Memopd" + "".join(part.title() for part in base.split("_")) + "Trainer"
+    return type(name, (MemopdMixin, BASES[base]), {"__module__": __name__, "__qualname__": name})
+
+
+@register_trainer("memopd")
+class MemopdTrainer(MemopdMixin, PPOTrainerSync):
+    """MemOPD on verl's synchronous trainer; constructed with ``memopd.trainer.base`` set to an async base, it
+    builds that base's composition instead (verl's registry maps one name to one class, and main_ppo
+    constructs ``get_trainer_cls(trainer_mode)(config=...)``: ``__new__`` is the one place to choose)."""
+
+    def __new__(cls, config, *args, **kwargs):
+        base = (config.get("memopd") or {}).get("trainer", {}).get("base", "sync")
+        if cls is MemopdTrainer and base != "sync":
+            return trainer_class(base)(config, *args, **kwargs)  # not a MemopdTrainer: Python skips __init__
+        return super().__new__(cls)
