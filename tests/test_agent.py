@@ -129,11 +129,11 @@ def _config(**agent):
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
 
 
-def _run(tokenizer, server, row, config=None, **run_kwargs):
+def _run(tokenizer, server, row, config=None, agent=AGENT_NAME, **run_kwargs):
     async def go():
         config_ = config if config is not None else _config()
         loop = hydra.utils.instantiate(  # exactly how verl's AgentLoopWorker builds an agent loop
-            _agent_loop_registry[AGENT_NAME],
+            _agent_loop_registry[agent],
             trainer_config=DictConfigWrap(config_),
             server_manager=server,
             tokenizer=tokenizer,

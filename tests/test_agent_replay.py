@@ -1,15 +1,11 @@
 """``memopd_replay_agent``: replaying a recorded episode gives the live memory agent's packed row exactly (log-probs
 aside), sends nothing to the server, and refuses a trajectory the agent could not have produced."""
 
-import asyncio
 import copy
 
-import hydra
 import pytest
 from hydra.errors import InstantiationException
-from test_agent import SAMPLING, FakeServer, _config, _row, _run, _script, tokenizer  # noqa: F401  (fixture)
-from verl.experimental.agent_loop.agent_loop import DictConfigWrap, _agent_loop_registry
-from verl.utils.dataset.rl_dataset import RLHFDataset
+from test_agent import FakeServer, _config, _row, _run, _script, tokenizer  # noqa: F401  (tokenizer: a fixture)
 
 from verl_memopd.agent.replay import REPLAY_AGENT_NAME, ReplayError
 from verl_memopd.fields import EPISODE, POSITION_IDS, REPLAY, SEGMENT_IDS, TEACHER_MASK
@@ -24,29 +20,7 @@ class NoServer:
 
 
 def _replay(tok, row, config=None, **run_kwargs):
-    async def go():
-        config_ = config if config is not None else _config()
-        loop = hydra.utils.instantiate(
-            _agent_loop_registry[REPLAY_AGENT_NAME],
-            trainer_config=DictConfigWrap(config_),
-            server_manager=NoServer(),
-            tokenizer=tok,
-            processor=None,
-            dataset_cls=RLHFDataset,
-            data_config=DictConfigWrap(config_.data),
-        )
-        return await loop.run(
-            dict(SAMPLING),
-            raw_prompt=row["prompt"],
-            extra_info=row["extra_info"],
-            reward_model=row["reward_model"],
-            data_source=row["data_source"],
-            uid="u3",
-            index=3,
-            **run_kwargs,
-        )
-
-    return asyncio.run(go())
+    return _run(tok, NoServer(), row, config, agent=REPLAY_AGENT_NAME, **run_kwargs)
 
 
 @pytest.fixture(scope="module")

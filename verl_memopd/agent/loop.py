@@ -53,7 +53,7 @@ import hashlib
 import time
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 from uuid import uuid4
 
 from omegaconf import OmegaConf
@@ -221,16 +221,8 @@ class MemoryAgentLoop(AgentLoopBase):
                 f"{where}: {len(ids)} tokens for a budget of {budget}, ending in token {ids[-1]} which is not a "
                 f"stop id {sorted(self.stop_ids)}; add the model's stop ids to memopd.agent.stop_token_ids"
             )
-        end = len(ids) - 1 if stopped else len(ids)
         version = (out.extra_fields.get("min_global_steps"), out.extra_fields.get("max_global_steps"))
-        call = Invocation(
-            prompt_ids=prompt_ids,
-            response_ids=tuple(ids),
-            response_logprobs=tuple(out.log_probs),
-            memory_span=(0, end) if keeps_memory else None,
-            finish_reason="stop" if stopped else "length",
-            policy_version=None if None in version else version,
-        )
+        call = call_record(prompt_ids, ids, out.log_probs, stopped, keeps_memory, None if None in version else version)
         return call, version
 
     def _output(
@@ -296,6 +288,26 @@ class MemoryAgentLoop(AgentLoopBase):
                 **_weight_steps(versions),
             },
         )
+
+
+def call_record(
+    prompt_ids: Sequence[int],
+    response_ids: Sequence[int],
+    response_logprobs: Sequence[float],
+    stopped: bool,
+    keeps_memory: bool,
+    policy_version: Optional[tuple[int, int]] = None,
+) -> Invocation:
+    """One call's record: a memory call keeps its reply minus the stop id (if it stopped) as the next memory."""
+    end = len(response_ids) - 1 if stopped else len(response_ids)
+    return Invocation(
+        prompt_ids=tuple(prompt_ids),
+        response_ids=tuple(response_ids),
+        response_logprobs=tuple(response_logprobs),
+        memory_span=(0, end) if keeps_memory else None,
+        finish_reason="stop" if stopped else "length",
+        policy_version=policy_version,
+    )
 
 
 @lru_cache(maxsize=None)

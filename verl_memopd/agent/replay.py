@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 
-from verl_memopd.agent.loop import MemoryAgentLoop
+from verl_memopd.agent.loop import MemoryAgentLoop, call_record
 from verl_memopd.fields import REPLAY
 from verl_memopd.records import Invocation
 
@@ -104,12 +104,4 @@ class ReplayAgentLoop(MemoryAgentLoop):
                 f"{where}: recorded response_ids of {len(ids)} tokens for a budget of {budget} "
                 f"({'stops' if stopped else 'no stop id'}): the agent cannot have produced it"
             )
-        end = len(ids) - 1 if stopped else len(ids)
-        invocation = Invocation(
-            prompt_ids=tuple(prompt_ids),
-            response_ids=ids,
-            response_logprobs=(0.0,) * len(ids),
-            memory_span=(0, end) if keeps_memory else None,
-            finish_reason="stop" if stopped else "length",
-        )
-        return invocation, (self._step, self._step)
+        return call_record(prompt_ids, ids, (0.0,) * len(ids), stopped, keeps_memory), (self._step, self._step)

@@ -64,12 +64,16 @@ def kd_sft_config(cfg: ExperimentConfig, calls_per_episode: int) -> SftConfig:
     )
 
 
+def _arm_indices(cfg: ExperimentConfig, seed: int) -> list[int]:
+    """The train-row indices of the arms' training episodes at ``seed``, in verl's order."""
+    return kd_episode_indices(cfg.n_train, seed, cfg.arms.steps * cfg.arms.episodes_per_step)
+
+
 def _arm_rows(cfg: ExperimentConfig, paths: Paths, seed: int) -> tuple[list[int], list[dict]]:
     """The arms' training episodes at ``seed``: their train-row indices in verl's order, and the rows."""
     import pandas as pd
 
-    a = cfg.arms
-    indices = kd_episode_indices(cfg.n_train, seed, a.steps * a.episodes_per_step)
+    indices = _arm_indices(cfg, seed)
     frame = pd.read_parquet(paths.data / "train.parquet")
     return indices, [frame.iloc[i].to_dict() for i in indices]
 
@@ -130,8 +134,7 @@ def oracle_rows(cfg: ExperimentConfig, paths: Paths, seed: int) -> list[dict]:
     episodes' order, each episode ``samples_per_episode`` times."""
     import pandas as pd
 
-    a = cfg.arms
-    indices = kd_episode_indices(cfg.n_train, seed, a.steps * a.episodes_per_step)
+    indices = _arm_indices(cfg, seed)
     traces = pd.read_parquet(paths.sft_data / "train.parquet")
     by_episode = {eid: group.sort_values("call") for eid, group in traces.groupby("episode_id")}
     rows = []

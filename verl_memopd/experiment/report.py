@@ -267,23 +267,27 @@ def collect_drift_rows(cfg: ExperimentConfig, paths: Paths) -> list[dict]:
     return rows + [r for r in committed if (r["arm"], r["seed"]) not in produced]
 
 
+#: the text and integer columns of the CSVs :func:`_read` reads back (every other column is a float, empty = None)
+_TEXT_COLUMNS = ("arm", "preset", "input_sha")
+_INT_COLUMNS = ("seed", "step", "episode", "call", "horizon")
+
+
 def _read(path: Path, columns: tuple[str, ...]) -> list[dict]:
-    """A CSV of ``columns`` (or with the preset prefix) back as rows: ints and floats where they parse."""
+    """A CSV of ``columns`` (or with the preset prefix) back as rows, each column as its type; checks the header."""
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         header = tuple(reader.fieldnames or ())
         if header not in (columns, (*HORIZON_PREFIX, *columns)):
             raise ValueError(f"{path}: columns {list(header)}, expected {list(columns)} (or with preset, horizon)")
-        return [{k: _number(v) if k not in ("arm", "preset", "input_sha") else v for k, v in r.items()} for r in reader]
+        return [{k: _typed(k, v) for k, v in r.items()} for r in reader]
 
 
-def _number(text: str):
+def _typed(column: str, text: str):
+    if column in _TEXT_COLUMNS:
+        return text
     if text == "":
         return None
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
+    return int(text) if column in _INT_COLUMNS else float(text)
 
 
 def _write(rows: list[dict], path: Path, columns: tuple[str, ...]) -> None:
@@ -307,19 +311,7 @@ def write_episodes(rows: list[dict], path: Path) -> None:
 def read_episodes(path: Path) -> list[dict]:
     """``episodes.csv`` (one preset's, :data:`EPISODE_COLUMNS`) or the combined one (:data:`HORIZON_EPISODE_COLUMNS`)
     back as rows with numbers; checks the header."""
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        header = tuple(reader.fieldnames or ())
-        if header not in (EPISODE_COLUMNS, HORIZON_EPISODE_COLUMNS):
-            raise ValueError(f"{path}: columns {list(header)}, expected {list(EPISODE_COLUMNS)} (or with preset)")
-        rows = []
-        for r in reader:
-            row = {"arm": r["arm"], "seed": int(r["seed"]), "episode": int(r["episode"]), "input_sha": r["input_sha"]}
-            row.update(f1=float(r["f1"]), em=float(r["em"]))
-            if "preset" in r:
-                row.update(preset=r["preset"], horizon=int(r["horizon"]))
-            rows.append(row)
-    return rows
+    return _read(path, EPISODE_COLUMNS)
 
 
 def preset_horizon(preset: str) -> int:
