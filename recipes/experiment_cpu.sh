@@ -2,7 +2,7 @@
 # Does MemOPD make a memory agent better? The whole CPU experiment, one command, resumable.
 #
 #   bash recipes/experiment_cpu.sh                       full run (runs/cpu_tiny, results/cpu_tiny)
-#   EXPERIMENT_SMOKE=1 bash recipes/experiment_cpu.sh    minutes: a few SFT steps, one RL step per arm, one seed
+#   EXPERIMENT_SMOKE=1 bash recipes/experiment_cpu.sh    minutes: a few SFT steps, one step of memopd, kd_soft, kd
 #   bash recipes/experiment_cpu.sh --until eval          stop after a stage (models data sft_student sft_teacher
 #                                                        eval arms diagnose report); --only STAGE runs just that one
 #   bash recipes/experiment_cpu.sh --until sweep         the experiment, then the follow-up val-only sensitivity sweep

@@ -9,7 +9,8 @@ from test_agent import FakeServer, _config, _row, _run, _script, tokenizer  # no
 
 from verl_memopd.agent.replay import REPLAY_AGENT_NAME, ReplayError
 from verl_memopd.fields import EPISODE, POSITION_IDS, REPLAY, SEGMENT_IDS, TEACHER_MASK
-from verl_memopd.records import Episode
+from verl_memopd.records import Episode, RecordError
+from verl_memopd.staleness import PREFIX, staleness_metrics
 
 
 class NoServer:
@@ -54,10 +55,16 @@ def test_replay_reproduces_the_live_row_without_the_server(tokenizer, live):  # 
     assert any(lp != 0.0 for c in episode.invocations for lp in c.response_logprobs)  # (the live ones were not)
 
 
-def test_replayed_rows_carry_the_staleness_tags_verl_requires(tokenizer, live):  # noqa: F811
+def test_replayed_rows_carry_the_staleness_tags_verl_requires_and_read_on_policy(tokenizer, live):  # noqa: F811
+    """At trainer step 7 the trainer holds weights version 6: the replayed calls are tagged 6 (staleness 0); the
+    asking step itself (7) would be a version from the future, which the staleness metrics refuse."""
     row, _, episode = live
     replayed = _replay(tokenizer, _replay_row(row, episode), global_steps=7, session_id=0)
-    assert (replayed.extra_fields["min_global_steps"], replayed.extra_fields["max_global_steps"]) == (7, 7)
+    assert (replayed.extra_fields["min_global_steps"], replayed.extra_fields["max_global_steps"]) == (6, 6)
+    metrics = staleness_metrics([replayed.extra_fields[EPISODE]], global_steps=7)
+    assert metrics[PREFIX + "max"] == 0.0 and metrics[PREFIX + "calls_versioned"] == 1.0
+    with pytest.raises(RecordError, match="policy version"):
+        staleness_metrics([replayed.extra_fields[EPISODE]], global_steps=6)
 
 
 def test_replay_refuses_a_context_that_differs_from_the_recording(tokenizer, live):  # noqa: F811

@@ -16,9 +16,10 @@ Log-probs: the replayed tokens were not sampled by the rollout policy, so the re
 their rollout log-probs, and the loop refuses verl's bypass mode (``algorithm.rollout_correction.bypass_mode``,
 which would take those placeholders as the old log-probs): the trainer recomputes the old log-probs with the actor.
 verl's rollout-vs-trainer log-prob metrics (``training/rollout_probs_diff_*``) compare against the placeholders and
-mean nothing in such a run. Every call is tagged with the trainer step that asked for it as its weight version
-(verl's staleness tags ``min/max_global_steps`` are required on every row; a replayed token belongs to no policy
-version, so its staleness reads 0). No request reaches the rollout server.
+mean nothing in such a run. Every call is tagged with the weight version the trainer holds at the step that asked
+for it (``global_steps - 1``, verl's convention; 0 before the first update): verl's staleness tags
+``min/max_global_steps`` are required on every row, and a replayed token belongs to no policy version, so its
+staleness reads 0. No request reaches the rollout server.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class ReplayAgentLoop(MemoryAgentLoop):
                 "them)"
             )
         self._recorded: list[dict] = []
-        self._step: Optional[int] = None
+        self._version: Optional[int] = None
 
     async def _run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         extra = kwargs.get("extra_info") or {}
@@ -65,7 +66,7 @@ class ReplayAgentLoop(MemoryAgentLoop):
             raise ReplayError(f"{where}: extra_info.{REPLAY} is missing or empty; {REPLAY_AGENT_NAME} needs the calls")
         self._recorded = [dict(c) for c in recorded]
         step = kwargs.get("global_steps")
-        self._step = None if step is None else int(step)
+        self._version = None if step is None else max(int(step) - 1, 0)
         n_recorded = len(self._recorded)
         output = await super()._run(sampling_params, **kwargs)
         if self._recorded:
@@ -104,4 +105,4 @@ class ReplayAgentLoop(MemoryAgentLoop):
                 f"{where}: recorded response_ids of {len(ids)} tokens for a budget of {budget} "
                 f"({'stops' if stopped else 'no stop id'}): the agent cannot have produced it"
             )
-        return call_record(prompt_ids, ids, (0.0,) * len(ids), stopped, keeps_memory), (self._step, self._step)
+        return call_record(prompt_ids, ids, (0.0,) * len(ids), stopped, keeps_memory), (self._version, self._version)

@@ -275,9 +275,11 @@ def smoke_config() -> ExperimentConfig:
         student_eval_steps=(),
         student_f1_band=None,
         final_evals=False,
-        # every arm but sft, whose code path is kd's (run_sft_arm) on other rows (tests/test_horizon.py): CI time
+        # one arm per code path (CI time): memopd (the on-policy RL arms; flat, ppo and opd are the same launch with
+        # other overrides, unit-tested in tests/test_experiment.py, the flat teacher end to end in
+        # tests/test_memopd_e2e.py), kd_soft (the replay agent) and kd (verl's SFT trainer; sft shares its code path)
         arms=replace(
-            full.arms, steps=1, val_every=1, episodes_per_step=2, seeds=(0,), arms=tuple(a for a in ARMS if a != "sft")
+            full.arms, steps=1, val_every=1, episodes_per_step=2, seeds=(0,), arms=("memopd", "kd_soft", "kd")
         ),
         sweep=None,
         diagnose=False,
