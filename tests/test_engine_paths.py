@@ -31,8 +31,8 @@ from verl.workers.engine.fsdp import transformer_impl
 
 from verl_memopd.attention import attention_implementation
 from verl_memopd.bench.tiny import student_model
-from verl_memopd.fields import SEGMENT_IDS, SEGMENTS
-from verl_memopd.packing import pack_episode
+from verl_memopd.fields import CALL_INDEX, FLAT_SEPARATOR, SEGMENT_IDS, SEGMENTS
+from verl_memopd.packing import LayoutOptions, build_layout, pack_episode
 from verl_memopd.rce import TOLERANCES, EpisodeShape, random_episodes
 from verl_memopd.streams import calls_alone
 from verl_memopd.trainer.engine import MemopdLMEngine
@@ -160,6 +160,35 @@ def test_remove_padding_path_through_the_engine_equals_padded_and_calls_alone(mo
         f"max |log p stream - log p call alone| = {alone:.3g} (budget {budget:.3g})"
     )
     assert paths <= budget and alone <= budget
+
+
+@pytest.mark.parametrize("use_remove_padding", [True, False])
+def test_the_flat_pass_with_a_separator_runs_the_separated_flat_layout(model, use_remove_padding):
+    """Flat rows (positions 0..L-1, one segment, ``memopd_call_index``) with ``memopd_flat_separator`` set:
+    the engine's action-token log-probs equal the separated ``flat`` layout run under stock sdpa."""
+    separator = (VOCAB - 2, VOCAB - 1)
+    episodes = random_episodes(4, VOCAB - 2, seed=5, shape=SHAPE)
+    rows, calls, predicting = [], [], []
+    for ep in episodes:
+        row = pack_episode(ep)
+        n, p = len(row.segment_ids), len(row.prompt_ids)
+        rows.append(
+            (torch.tensor(row.prompt_ids + row.response_ids), torch.arange(n), torch.zeros(n, dtype=torch.long))
+        )
+        calls.append(torch.tensor(row.segment_ids[p:]) - 1)
+        predicting.append(torch.tensor([p + k - 1 for k, m in enumerate(row.response_mask) if m]))
+    td = _micro_batch(rows, use_remove_padding)
+    td[CALL_INDEX] = torch.nested.as_nested_tensor(calls, layout=torch.jagged)
+    tu.assign_non_tensor(td, **{FLAT_SEPARATOR: separator})
+    with torch.no_grad():
+        _, out = _engine(model, torch.float32).forward_step(td, loss_function=None, forward_only=True)
+    got = torch.cat([lp[j] for lp, j in zip(out["model_output"]["log_probs"].unbind(), predicting)])
+    layout = build_layout("flat", episodes, VOCAB, LayoutOptions(flat_separator_ids=separator))
+    with torch.no_grad(), attention_implementation(model, "sdpa"):
+        logits = model(input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False).logits
+    ref = logits.reshape(-1, logits.shape[-1])[layout.action_index].log_softmax(-1)
+    ref = ref.gather(-1, layout.action_ids[:, None])[:, 0]
+    assert got.numel() == layout.action_ids.numel() and (got - ref).abs().max().item() <= 1e-4
 
 
 def test_saved_actor_config_names_stock_attention(tmp_path, monkeypatch):

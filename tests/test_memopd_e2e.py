@@ -186,6 +186,9 @@ def test_flat_history_teacher_with_grpo_and_a_colocated_teacher(tmp_path):
     assert all(k in metrics for k in MEMOPD_METRICS), sorted(k for k in metrics if "memopd" in k)
     assert "critic/vf_loss" not in metrics and "timing_s/values" not in metrics  # GRPO: no critic
     assert "[verl-memopd] teacher worker group initialized (colocate" in run.log
+    # the tiny tokenizer's ChatML template writes <|im_end|>\n<|im_start|>: the flat history is separated by "\n"
+    assert "[verl-memopd] teacher flat history: turn separator ids [" in run.log
+    assert "turn separator ids []" not in run.log
     # only the teacher's state is flat: the student's log-probs are still the rollout's, and the rows are
     # handed back aligned after the teacher's flat pass -- the reference (== the policy at step 1) finds no
     # KL, and the update's first forward (one mini-batch) reproduces the old log-probs (PPO ratio 1)

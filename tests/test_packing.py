@@ -190,7 +190,7 @@ def test_layouts_refuse_ids_outside_the_vocabulary_and_empty_contexts(name):
 def test_layout_registry_refuses_duplicates_and_lists_names():
     assert set(LAYOUTS) <= set(layout_names())
     with pytest.raises(ValueError, match="already registered"):
-        register_layout("packed", padded=False)(lambda episodes: [])
+        register_layout("packed", padded=False)(lambda episodes, options: [])
     with pytest.raises(KeyError, match="valid layouts: flat, packed, per_call"):
         build_layout("tree", [_figure_episode()])
     with pytest.raises(LayoutError, match="non-empty sequence of Episode"):

@@ -8,7 +8,9 @@ critic keep the packed rows. Checked here without Ray:
     attention metadata (``engine.micro_batch_segments``), the teacher engine's encoding
     (``supervision.encode_teacher_rows``) and the actor loss (``losses.actor.opd_loss``), the
     teacher distributions the loss receives under ``flat`` equal the aligned ones on call 1 (its
-    block already follows q with positions continuing from |q|) and differ on every later call.
+    block already follows q with positions continuing from |q|) and differ on every later call;
+  * the same with the turn separator the teacher engine inserts (``streams.flat_history``,
+    ``memopd.teacher.flat_separator_ids``): call 1 unchanged, later calls in a history of their own.
 The in-loop check that the student stays aligned (``training/rollout_probs_diff_max`` at fp32
 noise with ``state=flat``) is the slow run in tests/test_memopd_e2e.py.
 """
@@ -41,6 +43,7 @@ from verl_memopd.fields import (
 from verl_memopd.losses.actor import OPDLossConfig, assign_global_teacher_counts, opd_loss
 from verl_memopd.packing import pack_episode
 from verl_memopd.rce import EpisodeShape, random_episodes
+from verl_memopd.streams import flat_history
 from verl_memopd.supervision import encode_teacher_rows, get_transport
 from verl_memopd.trainer import ppo
 from verl_memopd.trainer.audit import teacher_layout_kl
@@ -51,6 +54,7 @@ from verl_memopd.trainer.teacher import TeacherPass, teacher_passes
 
 VOCAB = 256
 CALLS = 4
+SEPARATOR = (VOCAB - 1,)  # a turn separator id (memopd.teacher.flat_separator_ids)
 SHAPE = EpisodeShape(prefix_len=(6, 12), calls=(CALLS, CALLS), chunk_len=(2, 6), response_len=(3, 6))
 
 
@@ -120,9 +124,9 @@ class _Recorder:
 def test_trainer_teacher_step_hands_the_rows_back_in_the_student_layout(teacher_dir, monkeypatch, state, audit, scored):
     rows = _Recorder()
     monkeypatch.setattr(ppo, "restore_layout", rows.restore_layout)
-    trainer = SimpleNamespace(memopd=_memopd(teacher_dir, state=state), timing_raw={})
+    trainer = SimpleNamespace(memopd=_memopd(teacher_dir, state=state), timing_raw={}, flat_separator=())
     trainer._restore_layout = lambda batch, layout: ppo.MemopdTrainer._restore_layout(trainer, batch, layout)
-    trainer._score_with_teacher = lambda batch, output_key=None: rows.scored.append(
+    trainer._score_with_teacher = lambda batch, output_key=None, separator=(): rows.scored.append(
         (rows.layout or "packed", output_key)
     )
     rows.layout = "packed"  # _compute_old_log_prob restored the student's layout before the actor's forward
@@ -135,9 +139,11 @@ def test_trainer_teacher_step_hands_the_rows_back_in_the_student_layout(teacher_
 def test_trainer_lays_rows_out_with_the_configured_teacher_mask(teacher_dir, monkeypatch, policy):
     rows = _Recorder()
     monkeypatch.setattr(ppo, "restore_layout", rows.restore_layout)
-    trainer = SimpleNamespace(memopd=_memopd(teacher_dir, state="flat", teacher_mask=policy), timing_raw={})
+    trainer = SimpleNamespace(
+        memopd=_memopd(teacher_dir, state="flat", teacher_mask=policy), timing_raw={}, flat_separator=()
+    )
     trainer._restore_layout = lambda batch, layout: ppo.MemopdTrainer._restore_layout(trainer, batch, layout)
-    trainer._score_with_teacher = lambda batch, output_key=None: None
+    trainer._score_with_teacher = lambda batch, output_key=None, separator=(): None
     ppo.MemopdTrainer._teacher_step(trainer, batch=object(), audit=False)
     assert (rows.layout, rows.policy) == ("packed", policy)
 
@@ -208,9 +214,19 @@ def _teacher_rows(hidden, td) -> list[torch.Tensor]:
     return rows
 
 
+@torch.no_grad()
+def _forward_separated(model, td, separator):
+    """The teacher engine's flat pass with a turn separator (``streams.flat_history``): final hidden states
+    read back in the rows' token order, (N, H)."""
+    inputs, index = flat_history(td["input_ids"].unbind(), td[CALL_INDEX].unbind(), separator)
+    out = model(**inputs, use_cache=False, output_hidden_states=True)
+    return out.hidden_states[-1][0][index]
+
+
 @pytest.fixture(scope="module")
 def scored():
-    """Student (packed) and teacher (packed = aligned, flat) forwards of the same 6 episodes."""
+    """Student (packed) and teacher (packed = aligned, flat joined, flat separated) forwards of the same 6
+    episodes."""
     episodes = random_episodes(6, VOCAB, seed=3, shape=SHAPE)
     student, teacher = _model(student_config(VOCAB), 0), _model(teacher_config(VOCAB), 1)
     aligned, flat = _micro_batch(episodes, "packed"), _micro_batch(episodes, "flat")
@@ -222,6 +238,7 @@ def scored():
         head=teacher.lm_head.weight.detach(),
         aligned=_teacher_rows(t_aligned, aligned),
         flat=_teacher_rows(t_flat, flat),
+        separated=_teacher_rows(_forward_separated(teacher, flat, SEPARATOR), flat),
     )
 
 
@@ -260,3 +277,23 @@ def test_flat_teacher_supervision_differs_from_aligned_on_later_calls_only(score
     assert aligned["memopd/reverse_kl_call/0"] == pytest.approx(flat["memopd/reverse_kl_call/0"], rel=1e-5)
     for t in range(1, CALLS):  # fp32 noise is ~1e-7 here
         assert abs(aligned[f"memopd/reverse_kl_call/{t}"] - flat[f"memopd/reverse_kl_call/{t}"]) > 1e-4
+
+
+def _per_call_kl(s, p, q) -> list[float]:
+    kl = teacher_layout_kl(s.head, torch.cat(p), torch.cat(q))
+    calls = s.batch[CALL_INDEX].values()[s.batch[TEACHER_MASK].values().bool()]
+    return [float(kl[calls == t].mean()) for t in range(CALLS)]
+
+
+def test_separated_flat_supervision_keeps_call_one_and_changes_the_later_history(scored):
+    """With the turn separator (inserted before every call block t >= 2, 1-based) call 1's supervision is
+    still the aligned one; every later call is scored in a different history than aligned, and than the
+    joined (unseparated) flat rows: the separator is part of its state."""
+    vs_aligned, vs_joined = (
+        _per_call_kl(scored, scored.aligned, scored.separated),
+        _per_call_kl(scored, scored.flat, scored.separated),
+    )
+    print("teacher KL(aligned || separated flat) per call: " + ", ".join(f"{v:.3e}" for v in vs_aligned))
+    assert vs_aligned[0] < 1e-6 and vs_joined[0] < 1e-6
+    assert min(vs_aligned[1:]) > 1e-2
+    assert min(vs_joined[1:]) > 1e-4

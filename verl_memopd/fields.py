@@ -29,6 +29,7 @@ __all__ = [
     "TEACHER_TAIL_LOGPROB",
     "TEACHER_OUTPUT_KEY",
     "TEACHER_TRANSPORT",
+    "FLAT_SEPARATOR",
     "TEACHER_HIDDEN_FLAT",
     "TEACHER_HIDDEN_ALIGNED",
     "RCE_FLAG",
@@ -93,6 +94,9 @@ TEACHER_TAIL_LOGPROB = "memopd_teacher_tail_logprob"
 TEACHER_OUTPUT_KEY = "memopd_teacher_output_key"
 #: non-tensor option of a teacher batch: ``{"name": transport, "vocab_size": V, **transport options}``
 TEACHER_TRANSPORT = "memopd_transport"
+#: non-tensor option of a teacher batch in the flat layout: the turn separator ids (resolved
+#: ``memopd.teacher.flat_separator_ids``), inserted before every call block t >= 1 (``streams.flat_history``)
+FLAT_SEPARATOR = "memopd_flat_separator"
 #: the teacher's hidden states on the flat rows (``memopd.teacher.state=flat``)
 TEACHER_HIDDEN_FLAT = "memopd_teacher_hidden_flat"
 #: the audit pass of ``memopd.teacher.state=flat``: the teacher on the aligned rows

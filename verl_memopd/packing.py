@@ -11,15 +11,22 @@ verl convention: prompt = ``q``, response = the blocks, and the token at physica
 predicted by the logits at ``j - 1``; so a call ``t >= 1`` must have a non-empty context ``x_t``
 (else its first action token would be predicted from the previous call's block): refused here.
 
-Layouts (registry ``build_layout(name, episodes)``), all built from the same records and listing
-the action tokens in the same ``(episode, call, k)`` order:
+Layouts (registry ``build_layout(name, episodes, options=LayoutOptions())``), all built from the same
+records and listing the action tokens in the same ``(episode, call, k)`` order:
 
 - ``packed``: one stream (B=1) of all episodes' packed rows; needs segment attention.
 - ``per_call``: one right-padded row per invocation, ``[q ; x_t ; a_t]``, positions 0..L-1
   (state-correct, ``q`` repeated: the MemAgent-style speed baseline); plain causal rows.
 - ``per_call_varlen``: the same rows unpadded in one stream (the varlen form of ``per_call``).
-- ``flat``: one right-padded row per episode with the same tokens as ``packed``, positions 0..L-1
-  and plain causal attention (the persistent-history baseline; what stock verl does with the row).
+- ``flat``: one right-padded row per episode, positions 0..L-1 and plain causal attention: the
+  persistent history. Its tokens are ``packed``'s with the turn separator
+  (``LayoutOptions.flat_separator_ids``, e.g. ChatML's ``\\n``) inserted before every call block
+  ``t >= 1`` at action and teacher mask 0, so the history reads as the chat template writes
+  consecutive turns; with no separator (the default ``()``) exactly ``packed``'s tokens (what stock
+  verl does with the row)::
+
+      tokens   q0 q1 q2 | x0 x0 a0 a0 | s | x1 x1 x1 a1      (one separator token s)
+      act       0  0  0 |  0  0  1  1 | 0 |  0  0  0  1
 
 Attention metadata (segment visibility, checks of restored positions) is built in
 ``verl_memopd.segments``: a layout's ``segments`` is a :class:`~verl_memopd.segments.SegmentMeta` over
@@ -42,6 +49,7 @@ __all__ = [
     "pack_episode",
     "packed_rows_segments",
     "BatchLayout",
+    "LayoutOptions",
     "register_layout",
     "build_layout",
     "layout_names",
@@ -196,6 +204,10 @@ class _Row(NamedTuple):
     origin: list
 
 
+#: the per-token columns of a :class:`_Row`
+_COLUMNS = ("ids", "pos", "seg", "act", "teach")
+
+
 def _episode_row(ep: Episode, e: int) -> _Row:
     row = pack_episode(ep)
     p = ep.prefix_len
@@ -208,6 +220,21 @@ def _episode_row(ep: Episode, e: int) -> _Row:
         [0] * p + list(row.teacher_mask),
         origin,
     )
+
+
+def _separated(row: _Row, separator: tuple[int, ...]) -> _Row:
+    """An episode's packed ``row`` with ``separator`` inserted before every call block ``t >= 1`` (where
+    the segment id turns to ``t + 1 >= 2``), at action and teacher mask 0, taking the following block's
+    position and segment; the action tokens and their ``origin`` order are unchanged."""
+    out, n = _Row([], [], [], [], [], list(row.origin)), len(separator)
+    for j in range(len(row.ids)):
+        if n and row.seg[j] > 1 and row.seg[j] != row.seg[j - 1]:
+            inserted = (separator, [row.pos[j]] * n, [row.seg[j]] * n, [0] * n, [0] * n)
+            for name, values in zip(_COLUMNS, inserted):
+                getattr(out, name).extend(values)
+        for name in _COLUMNS:
+            getattr(out, name).append(getattr(row, name)[j])
+    return out
 
 
 def _plain(row: _Row) -> _Row:
@@ -237,10 +264,34 @@ def _calls(row: _Row, ep: Episode) -> list[_Row]:
     return out
 
 
-class _Layout(NamedTuple):
-    """A registered layout: ``rows(episodes)``; ``padded`` rows become (B, L), else one stream."""
+@dataclass(frozen=True)
+class LayoutOptions:
+    """Options a layout may read (``build_layout(..., options=)``); each layout documents the ones it uses.
 
-    rows: Callable[[Sequence[Episode]], list[_Row]]
+    Attributes:
+        flat_separator_ids: the ``flat`` layout's turn separator, inserted before every call block
+            ``t >= 1`` (ChatML: the ids of ``"\\n"``); ``()`` = blocks joined as they are.
+    """
+
+    flat_separator_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "flat_separator_ids", tuple(int(i) for i in self.flat_separator_ids))
+
+    def validate_vocab(self, vocab_size: int) -> None:
+        bad = [i for i in self.flat_separator_ids if not 0 <= i < vocab_size]
+        if bad:
+            raise LayoutError(f"flat_separator_ids {bad} outside the vocabulary [0, {vocab_size})")
+
+
+#: ``fn(episodes, options) -> rows`` of a registered layout
+LayoutRows = Callable[[Sequence[Episode], LayoutOptions], list[_Row]]
+
+
+class _Layout(NamedTuple):
+    """A registered layout: ``rows(episodes, options)``; ``padded`` rows become (B, L), else one stream."""
+
+    rows: LayoutRows
     padded: bool
 
 
@@ -248,9 +299,10 @@ _LAYOUTS = Registry("layout")
 
 
 def register_layout(name: str, padded: bool) -> Callable:
-    """Register ``fn(episodes) -> rows`` as layout ``name``; ``padded`` rows become (B, L), else one stream."""
+    """Register ``fn(episodes, options) -> rows`` as layout ``name``; ``padded`` rows become (B, L), else one
+    stream."""
 
-    def deco(fn: Callable[[Sequence[Episode]], list[_Row]]) -> Callable:
+    def deco(fn: LayoutRows) -> LayoutRows:
         _LAYOUTS.add(name, _Layout(fn, padded))
         return fn
 
@@ -262,34 +314,40 @@ def layout_names() -> tuple[str, ...]:
 
 
 @register_layout("packed", padded=False)
-def _packed(episodes: Sequence[Episode]) -> list[_Row]:
+def _packed(episodes: Sequence[Episode], options: LayoutOptions) -> list[_Row]:
     return [_episode_row(ep, e) for e, ep in enumerate(episodes)]
 
 
 @register_layout("flat", padded=True)
-def _flat(episodes: Sequence[Episode]) -> list[_Row]:
-    return [_plain(_episode_row(ep, e)) for e, ep in enumerate(episodes)]
+def _flat(episodes: Sequence[Episode], options: LayoutOptions) -> list[_Row]:
+    """The persistent history: each episode's packed row, separated (``options.flat_separator_ids``), as one
+    plain causal sequence."""
+    return [_plain(_separated(_episode_row(ep, e), options.flat_separator_ids)) for e, ep in enumerate(episodes)]
 
 
 @register_layout("per_call", padded=True)
-def _per_call(episodes: Sequence[Episode]) -> list[_Row]:
+def _per_call(episodes: Sequence[Episode], options: LayoutOptions) -> list[_Row]:
     return [r for e, ep in enumerate(episodes) for r in _calls(_episode_row(ep, e), ep)]
 
 
 @register_layout("per_call_varlen", padded=False)
-def _per_call_varlen(episodes: Sequence[Episode]) -> list[_Row]:
-    return _per_call(episodes)
+def _per_call_varlen(episodes: Sequence[Episode], options: LayoutOptions) -> list[_Row]:
+    return _per_call(episodes, options)
 
 
-def build_layout(name: str, episodes: Sequence[Episode], vocab_size: Optional[int] = None) -> BatchLayout:
-    """Lay out ``episodes`` (validated; ids checked against ``vocab_size`` when given) as layout ``name``."""
+def build_layout(
+    name: str, episodes: Sequence[Episode], vocab_size: Optional[int] = None, options: LayoutOptions = LayoutOptions()
+) -> BatchLayout:
+    """Lay out ``episodes`` (validated; ids, the options' included, checked against ``vocab_size`` when given)
+    as layout ``name``, reading ``options``."""
     layout = _LAYOUTS.lookup(name)
     if not episodes or not all(isinstance(ep, Episode) for ep in episodes):
         raise LayoutError(f"layout {name!r}: needs a non-empty sequence of Episode records")
     if vocab_size is not None:
         for ep in episodes:
             ep.validate_vocab(vocab_size)
-    return _assemble(name, layout.rows(episodes), layout.padded)
+        options.validate_vocab(vocab_size)
+    return _assemble(name, layout.rows(episodes, options), layout.padded)
 
 
 def _assemble(name: str, rows: list[_Row], padded: bool) -> BatchLayout:

@@ -1,4 +1,5 @@
-"""Packed rows -> the engines' input streams: each call alone, or each prompt group's ``q`` once (stage 2).
+"""Rows -> the engines' input streams: each call alone, each prompt group's ``q`` once, or the separated
+persistent history (stage 2).
 
 A micro-batch reaches an engine as packed rows (``packing``): per row b its tokens, restored positions and
 segment ids (0 = q, t+1 = call t), each (L_b,). The engine runs them as one stream of N = sum_b L_b tokens,
@@ -30,7 +31,14 @@ it, as they would into the hidden states of q computed once). A group split acro
 (dynamic batch sizes) just shares less. Rows without call blocks (the flat layout, verl's padding
 rows) and rows of group ``-1`` are never shared.
 
-Both take and return plain tensors (no verl): ``verl_memopd.trainer.engine`` applies them.
+``flat_history`` -- the persistent history with its turns separated (``memopd.teacher.flat_separator_ids``).
+A row of the flat layout holds the packed row's tokens ``[q | block_0 | block_1 | ...]`` joined as they are;
+the teacher's flat pass runs it with the separator ids inserted before every call block ``t >= 1`` (found
+from the row's ``memopd_call_index``), positions 0..L'-1 and plain causal attention -- the tokens of
+``packing``'s ``flat`` layout with ``LayoutOptions(flat_separator_ids=...)``. A separator token's output
+stands for no row token; every action token is still predicted by the token before it in its own block.
+
+All take and return plain tensors (no verl): ``verl_memopd.trainer.engine`` applies them.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import torch
 from verl_memopd.fields import SEGMENTS
 from verl_memopd.segments import segment_meta
 
-__all__ = ["Span", "calls_alone", "share_prefix"]
+__all__ = ["Span", "calls_alone", "share_prefix", "flat_history"]
 
 #: (block_index, start, end): a call block's packed-row indices and its slice of the calls-alone stream
 Span = tuple[torch.Tensor, int, int]
@@ -168,3 +176,42 @@ def share_prefix(
         SEGMENTS: meta.to(device),
     }
     return inputs, index
+
+
+def flat_history(
+    input_ids: list[torch.Tensor], call_index: list[torch.Tensor], separator: tuple[int, ...]
+) -> tuple[dict, torch.Tensor]:
+    """Flat-layout rows with ``separator`` inserted before every call block ``t >= 1``, as one stream.
+
+    Args (one entry per row b): the row's tokens (L_b,) and the call index of each response token
+    (R_b,), R_b <= L_b (the row's last R_b tokens; a block starts where the call index changes);
+    ``separator``: the ids inserted (S tokens each time).
+
+    Returns ``(inputs, index)``:
+        inputs: ``input_ids`` / ``position_ids`` (1, N') and ``memopd_segments`` (every row one plain
+            causal sequence, positions 0..L'_b-1) for the model, N' = N + S * (block starts);
+        index: (N,) with N = sum_b L_b -- for every token of the rows (concatenated), its stream position.
+    """
+    device = input_ids[0].device
+    sep = torch.tensor(separator, dtype=input_ids[0].dtype, device=device)
+    ids, lengths, index = [], [], []
+    offset = 0
+    for tok, calls in zip(input_ids, call_index):
+        start = tok.numel() - calls.numel()
+        starts = start + 1 + torch.nonzero(calls[1:] != calls[:-1], as_tuple=True)[0]
+        before = torch.zeros(tok.numel(), dtype=torch.long, device=device)
+        before[starts] = sep.numel()
+        row_index = torch.arange(tok.numel(), device=device) + before.cumsum(0)
+        row = torch.empty(tok.numel() + sep.numel() * starts.numel(), dtype=tok.dtype, device=device)
+        row[row_index] = tok
+        for j in (row_index[starts] - sep.numel()).tolist():
+            row[j : j + sep.numel()] = sep
+        ids.append(row)
+        lengths.append(row.numel())
+        index.append(offset + row_index)
+        offset += row.numel()
+    stream_pos = torch.cat([torch.arange(n, device=device) for n in lengths])
+    row_ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+    meta = segment_meta(torch.zeros_like(stream_pos), row_ids, stream_pos)
+    inputs = {"input_ids": torch.cat(ids).unsqueeze(0), "position_ids": stream_pos.unsqueeze(0), SEGMENTS: meta}
+    return inputs, torch.cat(index)

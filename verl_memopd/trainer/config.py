@@ -56,6 +56,11 @@ class TeacherConfig:
         rows, exactly as sampled. ``flat``: the persistent history -- call t's block after q and
         every earlier block, positions 0..L-1, one causal segment (the paper's matched control,
         "persistent-history teacher scoring"); student, reference and critic stay on the aligned rows.
+    flat_separator_ids: ``state=flat``: the token ids between one call's block and the next in the
+        persistent history, so its turns are separated as the chat template writes them (ChatML:
+        ``<|im_end|>\\n<|im_start|>``, the ids of ``"\\n"``). ``None`` = derived at start-up from the
+        student tokenizer's chat template (:func:`verl_memopd.trainer.teacher.flat_separator_ids`); a list of
+        ids overrides; ``[]`` = blocks joined as they are (no separator). Checked against the vocabulary.
     """
 
     path: Optional[str] = None
@@ -64,6 +69,7 @@ class TeacherConfig:
     nnodes: int = 1
     attn_implementation: str = "memopd_torch"
     state: str = "aligned"
+    flat_separator_ids: Optional[list[int]] = None
 
 
 @dataclass(frozen=True)
@@ -164,8 +170,9 @@ class MemopdConfig:
         restored positions, block visibility), ``per_call`` (the same rows, every forward running each
         call alone with ``q`` repeated: the unpacked speed baseline) or ``flat`` (the flat layout for everyone,
         a diagnostic: positions 0..L-1 and plain causal attention for the student too, so its
-        log-probs are not the rollout's). The paper's persistent-history baseline is
-        ``teacher.state=flat``: the flat layout for the teacher only.
+        log-probs are not the rollout's; the blocks joined as they are, ``teacher.flat_separator_ids``
+        unused). The paper's persistent-history baseline is ``teacher.state=flat``: the flat layout (turns
+        separated) for the teacher only.
     entropy_coef: alpha in ``L = L_PPO - alpha*H + lambda*L_OPD``; the recipe points verl's
         ``actor_rollout_ref.actor.entropy_coeff`` at it.
     ppo_coef: weight of verl's PPO term ``L_PPO - alpha*H`` in the actor loss (1 = the method; 0 = on-policy
@@ -254,6 +261,12 @@ class MemopdConfig:
             raise MemopdConfigError(
                 "memopd.teacher.state=flat with memopd.distill.coef=0: there is no teacher to "
                 "score the flat history (PPO only); drop the state or set coef > 0"
+            )
+        ids = self.teacher.flat_separator_ids
+        if ids is not None and not (isinstance(ids, (list, tuple)) and all(type(i) is int and i >= 0 for i in ids)):
+            raise MemopdConfigError(
+                f"memopd.teacher.flat_separator_ids={ids!r}: expected null (from the chat template) or a list of "
+                f"token ids >= 0 ([] = no separator)"
             )
         if state == "flat" and self.layout == "flat":
             raise MemopdConfigError(

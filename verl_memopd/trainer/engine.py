@@ -12,7 +12,9 @@ packed-attention metadata from the row's ``memopd_segment_ids`` (restored by
     memopd_teacher         teacher worker group: its supervision at m_T positions, encoded by the
                            transport (hidden states, or top-k + tail computed with its own head)
 
-With ``memopd.layout=per_call`` (rows flagged ``memopd_calls_alone``) the same engines run every
+The teacher's flat pass (``memopd.teacher.state=flat``, batches carrying ``memopd_flat_separator``) runs
+the persistent history with its turns separated (``verl_memopd.streams.flat_history``), read back the same
+way. With ``memopd.layout=per_call`` (rows flagged ``memopd_calls_alone``) the same engines run every
 call as its own sequence (``verl_memopd.streams.calls_alone``) and read the outputs back in the packed
 order (the remove-padding stream or verl's padded batch): the per-call baseline. With
 ``memopd.share_prefix_across_group`` (rows carrying a ``memopd_prompt_group``) the rows of one
@@ -36,7 +38,9 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDP
 
 from verl_memopd.attention import PackedAttentionError, attention_implementation, require_packed_attention
 from verl_memopd.fields import (
+    CALL_INDEX,
     CALLS_ALONE,
+    FLAT_SEPARATOR,
     PACKED_INDEX,
     PADDED_MASK,
     PROMPT_GROUP,
@@ -52,7 +56,7 @@ from verl_memopd.fields import (
 from verl_memopd.losses.actor import assign_global_teacher_counts
 from verl_memopd.platform.patches import patch_verl_valuehead_attention
 from verl_memopd.segments import SegmentMeta, padded_batch_segments, segment_meta
-from verl_memopd.streams import calls_alone, share_prefix
+from verl_memopd.streams import calls_alone, flat_history, share_prefix
 from verl_memopd.supervision import encode_teacher_rows, get_transport, load_output_head
 from verl_memopd.trainer.audit import engine_rce_fields
 
@@ -93,6 +97,17 @@ def _shared_prefix_stream(micro_batch):
         return None
     groups = micro_batch[PROMPT_GROUP].reshape(-1).tolist()
     return share_prefix(*_rows(micro_batch), groups)
+
+
+def _separated_history_stream(micro_batch):
+    """``(inputs, index)`` of a flat-layout micro-batch with the turn separator inserted (the batch's
+    ``memopd_flat_separator``, set for the teacher's flat pass), or None when it carries none."""
+    separator = tuple(tu.get_non_tensor_data(data=micro_batch, key=FLAT_SEPARATOR, default=()) or ())
+    if not separator:
+        return None
+    if CALL_INDEX not in micro_batch.keys():
+        raise PackedAttentionError(f"micro-batch has {FLAT_SEPARATOR} but no {CALL_INDEX} to find the call blocks")
+    return flat_history(micro_batch["input_ids"].unbind(), micro_batch[CALL_INDEX].unbind(), separator)
 
 
 def micro_batch_segments(micro_batch, use_remove_padding: bool) -> SegmentMeta:
@@ -145,6 +160,8 @@ class _PackedRows:
         if _executes_calls_alone(micro_batch):
             (inputs, _, index), what = calls_alone(*_rows(micro_batch)), "memopd.layout=per_call"
             stream = inputs, index
+        elif (stream := _separated_history_stream(micro_batch)) is not None:
+            what = "memopd.teacher.flat_separator_ids"
         else:
             stream, what = _shared_prefix_stream(micro_batch), "memopd.share_prefix_across_group=true"
         if stream is None:

@@ -13,7 +13,7 @@ with MemOPD's additions marked::
     old log-probs (actor, packed;     + teacher scoring: its supervision at m_T            (teacher.py)
       the rollout's own under verl's bypass mode, recomputed on audit steps)
                                         (teacher.state=flat: the rows laid out flat for the teacher
-                                        alone, then the student's layout restored)
+                                        alone, turns separated, then the student's layout restored)
     ref log-probs / values (packed)
     + reward r - beta*[l_old - l_ref]_+ per action token                                 (reward.py)
     advantages (GAE over the row's action tokens, or GRPO)
@@ -44,7 +44,14 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.debug import marked_timer
 
 from verl_memopd.agent import errors as agent_errors
-from verl_memopd.fields import RCE_FIELD, RCE_FLAG, RCE_TOLERANCE_FIELD, TEACHER_OUTPUT_KEY, TEACHER_TRANSPORT
+from verl_memopd.fields import (
+    FLAT_SEPARATOR,
+    RCE_FIELD,
+    RCE_FLAG,
+    RCE_TOLERANCE_FIELD,
+    TEACHER_OUTPUT_KEY,
+    TEACHER_TRANSPORT,
+)
 from verl_memopd.trainer.audit import put_rce_records, rce_check, rce_metrics
 from verl_memopd.trainer.config import TRAINER_BASES, MemopdConfigError, from_config
 from verl_memopd.trainer.critic import MemopdCriticWorker
@@ -55,6 +62,7 @@ from verl_memopd.trainer.rows import restore_layout
 from verl_memopd.trainer.teacher import (
     MemopdTeacherWorker,
     check_teacher_compatible,
+    flat_separator_ids,
     teacher_passes,
     teacher_worker_config,
 )
@@ -83,6 +91,7 @@ class MemopdMixin:
         self.memopd = from_config(config)  # fail before any worker starts
         self.teacher_wg = None
         self.vocab_size = None
+        self.flat_separator: tuple[int, ...] = ()  # the teacher's flat passes' turn separator (_init_tokenizer)
         if self.memopd.uses_teacher:
             self.vocab_size = check_teacher_compatible(config.actor_rollout_ref.model.path, self.memopd.teacher.path)
             k = self.memopd.transport_options().get("k")
@@ -91,6 +100,15 @@ class MemopdMixin:
         super().__init__(config)
         # verl starts a reference only for its own KL terms; MemOPD's reward penalty needs one too
         self.use_reference_policy = self.use_reference_policy or self.memopd.uses_reference
+
+    def _init_tokenizer(self):
+        """verl's tokenizer; then ``memopd.teacher.flat_separator_ids`` resolved against it (start-up refusals
+        name the option): the separator of the persistent history the teacher's flat passes score."""
+        super()._init_tokenizer()
+        if self.memopd.uses_teacher:
+            option = self.memopd.teacher.flat_separator_ids
+            self.flat_separator = flat_separator_ids(option, self.tokenizer, self.vocab_size)
+            print(f"[verl-memopd] teacher flat history: turn separator ids {list(self.flat_separator)}")
 
     def _build_replay_buffer(self):
         # verl 0.9.1 keys its behaviour on ``trainer_mode`` (sync: its replay buffer, whole-batch dataloader
@@ -232,7 +250,9 @@ class MemopdMixin:
     def _teacher_step(self, batch, audit: bool) -> None:
         """The teacher's passes of the step (:func:`teacher_passes`): the supervision under the teacher's
         state, then on audit steps the other layout. Rows are laid out for each pass and handed back in
-        the student's layout, which the reference, the critic and the actor update read."""
+        the student's layout, which the reference, the critic and the actor update read. A flat pass under
+        another student layout scores the separated persistent history (``self.flat_separator``); with
+        ``memopd.layout=flat`` teacher and student share the rows as they are, unseparated."""
         layout = self.memopd.layout
         for i, teacher_pass in enumerate(teacher_passes(self.memopd, audit)):
             name = "teacher" if i == 0 else "memopd_audit_teacher"
@@ -240,14 +260,17 @@ class MemopdMixin:
                 if teacher_pass.layout != layout:
                     layout = teacher_pass.layout
                     self._restore_layout(batch, layout)
-                self._score_with_teacher(batch, output_key=teacher_pass.output_key)
+                separate = layout == "flat" and self.memopd.layout != "flat"
+                separator = self.flat_separator if separate else ()
+                self._score_with_teacher(batch, output_key=teacher_pass.output_key, separator=separator)
         if layout != self.memopd.layout:
             with marked_timer("memopd_layout", self.timing_raw, color="white"):
                 self._restore_layout(batch, self.memopd.layout)
 
-    def _score_with_teacher(self, batch, output_key=None):
+    def _score_with_teacher(self, batch, output_key=None, separator: tuple[int, ...] = ()):
         """The teacher worker group scores the rows' current layout into TransferQueue: the transport's
-        payload, or (``output_key``) its hidden states under that field."""
+        payload, or (``output_key``) its hidden states under that field; flat rows with ``separator``
+        inserted before every call block t >= 1 (``memopd_flat_separator``)."""
         batch.extra_info.update(
             {
                 "compute_loss": False,
@@ -261,9 +284,11 @@ class MemopdMixin:
         )
         if output_key is not None:
             batch.extra_info[TEACHER_OUTPUT_KEY] = output_key
+        if separator:
+            batch.extra_info[FLAT_SEPARATOR] = tuple(separator)
         output = self.teacher_wg.infer_batch(batch)
         ray.get(output.futures)
-        for key in (TEACHER_OUTPUT_KEY, TEACHER_TRANSPORT):
+        for key in (TEACHER_OUTPUT_KEY, TEACHER_TRANSPORT, FLAT_SEPARATOR):
             batch.extra_info.pop(key, None)
 
     def _compute_advantage(self, batch, metrics):

@@ -9,13 +9,18 @@ transport: final hidden states, (B, A_b*, H)) or the ``topk`` transport's ids / 
 With ``hidden`` the actor turns the states into exact full-vocabulary teacher log-probs with a
 frozen copy of the teacher's output head (``supervision.load_output_head``); no ``[tokens, vocab]``
 logits cross workers.
+
+In the flat layout the persistent history has its turns separated as the chat template writes them:
+:func:`flat_separator_ids` resolves ``memopd.teacher.flat_separator_ids`` at start-up, and the trainer hands
+the ids to the flat passes (``memopd_flat_separator``; ``verl_memopd.streams.flat_history``).
 """
 
 from __future__ import annotations
 
+import re
 from copy import deepcopy
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.utils.config import omega_conf_to_dataclass
@@ -24,7 +29,7 @@ from verl.workers.engine_workers import TrainingWorker
 
 from verl_memopd.fields import TEACHER_HIDDEN, TEACHER_HIDDEN_ALIGNED, TEACHER_HIDDEN_FLAT
 from verl_memopd.supervision import VocabSpec, check_vocab_agreement
-from verl_memopd.trainer.config import MemopdConfig
+from verl_memopd.trainer.config import MemopdConfig, MemopdConfigError
 
 TEACHER_MODEL_TYPE = "memopd_teacher"
 
@@ -111,3 +116,41 @@ def _vocab_spec(name: str, path: str) -> VocabSpec:
 def check_teacher_compatible(student_path: str, teacher_path: str) -> int:
     """Start-up check: student and teacher share tokenizer length and special ids; returns V."""
     return check_vocab_agreement(_vocab_spec("student", student_path), _vocab_spec("teacher", teacher_path))
+
+
+#: stand-ins for two turns' contents while rendering the chat template (private-use characters)
+_TURNS = ("\ue000memopd-turn-1\ue000", "\ue000memopd-turn-2\ue000")
+
+
+def chat_turn_separator(tokenizer: Any) -> tuple[int, ...]:
+    """The ids the chat template writes between one turn's end-of-turn token and the next turn's start token
+    (ChatML ``<|im_end|>\\n<|im_start|>``: the ids of ``"\\n"``), from a rendered user/assistant exchange;
+    the text is tokenized without special tokens. Refuses (naming the option) a tokenizer without a chat
+    template or one whose turns are not bounded by special tokens."""
+    where = "memopd.teacher.flat_separator_ids=null (derive the turn separator from the chat template)"
+    if not getattr(tokenizer, "chat_template", None):
+        raise MemopdConfigError(f"{where}: the tokenizer has no chat template; set the ids, or [] for none")
+    messages = [{"role": "user", "content": _TURNS[0]}, {"role": "assistant", "content": _TURNS[1]}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    first, second = text.find(_TURNS[0]), text.find(_TURNS[1])
+    specials = sorted({str(t) for t in tokenizer.all_special_tokens if str(t)}, key=len, reverse=True)
+    between = text[first + len(_TURNS[0]) : second] if 0 <= first < second else ""
+    marks = list(re.finditer("|".join(map(re.escape, specials)), between)) if specials else []
+    if len(marks) < 2:
+        raise MemopdConfigError(
+            f"{where}: no turn boundary (an end-of-turn token, then the next turn's start token) between two "
+            f"rendered turns: {between!r}; set the ids, or [] for none"
+        )
+    return tuple(tokenizer.encode(between[marks[0].end() : marks[1].start()], add_special_tokens=False))
+
+
+def flat_separator_ids(option: Optional[Sequence[int]], tokenizer: Any, vocab_size: int) -> tuple[int, ...]:
+    """``memopd.teacher.flat_separator_ids`` resolved: the ids as given, or (``None``) the student tokenizer's
+    :func:`chat_turn_separator`; every id must lie in ``[0, vocab_size)``."""
+    ids = chat_turn_separator(tokenizer) if option is None else tuple(int(i) for i in option)
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise MemopdConfigError(
+            f"memopd.teacher.flat_separator_ids={list(ids)}: ids {bad} outside the vocabulary [0, {vocab_size})"
+        )
+    return ids
