@@ -142,8 +142,8 @@ class _Template:
 
     all_special_tokens = ["<s>", "<eot>", "<bot>"]
 
-    def __init__(self, template, separator_ids=(7,)):
-        self.chat_template, self.template, self.separator_ids = "set" if template else None, template, separator_ids
+    def __init__(self, template):
+        self.chat_template, self.template = "set" if template else None, template
 
     def apply_chat_template(self, messages, tokenize):
         assert tokenize is False

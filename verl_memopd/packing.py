@@ -35,6 +35,7 @@ the ``B * L`` token stream (rows concatenated), and :func:`packed_rows_segments`
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -276,7 +277,8 @@ class LayoutOptions:
     flat_separator_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "flat_separator_ids", tuple(int(i) for i in self.flat_separator_ids))
+        # operator.index: integers (numpy's included) only, a float is refused rather than truncated
+        object.__setattr__(self, "flat_separator_ids", tuple(operator.index(i) for i in self.flat_separator_ids))
 
     def validate_vocab(self, vocab_size: int) -> None:
         bad = [i for i in self.flat_separator_ids if not 0 <= i < vocab_size]
