@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_memopd.bench import step
+from verl_memopd.bench import step, threads
 
 LINE = re.compile(
     r"step model=(?P<model>\w+) fp32_s=(?P<fp32_s>\S+) bf16_s=(?P<bf16_s>\S+) speedup=(?P<speedup>\S+) "
@@ -61,6 +61,29 @@ def test_the_summary_line_has_the_issues_format_and_ratios():
     assert m["rce"] == "1" and float(m["diff"]) == pytest.approx(3e-3)  # max over the run's steps
     runs["bf16"] = _run("bf16", 8.0, 4.0, 3e-3, 0.0)
     assert LINE.fullmatch(step.summary_line("tiny", runs, 0.75))["rce"] == "0"
+
+
+THREADS_LINE = re.compile(
+    r"threads model=(?P<model>\w+) threads=(?P<n>\d+) one_s=(?P<one>\S+) many_s=(?P<many>\S+) speedup=(?P<speedup>\S+) "
+    r"gen_speedup=(?P<gen>\S+) teacher_speedup=(?P<teacher>\S+) update_actor_speedup=(?P<actor>\S+) "
+    r"update_critic_speedup=(?P<critic>\S+) probs_diff_max_many=(?P<diff>\S+)"
+)
+
+
+def test_the_threads_line_has_its_format_and_one_over_many_ratios():
+    runs = {"one": _run("one", 6.0, 3.0, 1e-6, 1.0), "many": _run("many", 4.0, 1.5, 2e-6, 1.0)}
+    m = THREADS_LINE.fullmatch(threads.summary_line("smollm2", 2, runs))
+    assert m and m["model"] == "smollm2" and m["n"] == "2", m
+    assert float(m["one"]) == 6.0 and float(m["many"]) == 4.0 and float(m["speedup"]) == 1.5  # step 1 excluded
+    assert float(m["actor"]) == 2.0 and float(m["critic"]) == 1.0 and float(m["diff"]) == pytest.approx(2e-6)
+    assert m["teacher"] == "nan"  # a stage verl did not time stays visible as nan, never a made-up ratio
+    table = step.table(runs)
+    assert "one_s" in table and "many_s" in table and "one/many" in table
+
+
+def test_the_threads_bench_refuses_a_second_run_of_one_thread():
+    with pytest.raises(SystemExit):
+        threads.main(["--threads", "1"])
 
 
 @pytest.mark.slow

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import sys
 
+import pytest
+
 from verl_memopd.experiment.launching import cpu_env, offline_env, parse_steps, run_bounded
 
 
@@ -38,6 +40,16 @@ def test_cpu_env_adds_the_cpu_platform_and_caches_to_the_offline_env(tmp_path, m
     assert "VERL_PLATFORM" not in offline  # the GPU check's run: verl picks the platform
     assert cpu["VERL_PLATFORM"] == "cpu" and {k: cpu[k] for k in offline} == offline
     assert all(cpu[k].startswith(str(tmp_path / "cache")) for k in ("HF_HOME", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR"))
+
+
+def test_cpu_env_sets_the_workers_threads_only_when_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_env(tmp_path)["OMP_NUM_THREADS"] == "3"  # None: this process's environment, untouched
+    assert cpu_env(tmp_path, threads=2)["OMP_NUM_THREADS"] == "2"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert "OMP_NUM_THREADS" not in cpu_env(tmp_path)  # Ray's default then: one thread per verl worker
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        cpu_env(tmp_path, threads=0)
 
 
 def test_bounded_run_returns_status_and_writes_the_log(tmp_path):

@@ -1,4 +1,4 @@
-"""``python -m verl_memopd.bench {packing,kl,transport,attention,audit,step} [args]``: run one benchmark.
+"""``python -m verl_memopd.bench {packing,kl,transport,attention,audit,step,threads} [args]``: run one benchmark.
 
 Each benchmark is a module ``verl_memopd.bench.<name>`` with ``main(argv) -> int`` (the exit
 status); it is imported only when run. Every benchmark prints ratios measured in one run and ends
@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "attention": "packed attention alone on CUDA: torch_varlen's K/V head repeat vs native GQA vs flash-attn",
     "audit": "in-training RCE check (bf16: with its fp32 reference) vs the audit step's own passes",
     "step": "the recipe's training step in verl, fp32 then bf16 (same data and seeds): stage timings, audits",
+    "threads": "the recipe's fp32 step in verl, Ray workers on one torch thread then on N: stage timings",
 }
 
 

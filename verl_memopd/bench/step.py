@@ -42,7 +42,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-__all__ = ["MODELS", "STAGES", "StepRun", "command", "main", "plain_tokens_per_s", "steady_steps", "summary_line"]
+__all__ = [
+    "MODELS",
+    "STAGES",
+    "StepRun",
+    "command",
+    "main",
+    "plain_tokens_per_s",
+    "prepare",
+    "ratio",
+    "run_variant",
+    "steady_steps",
+    "summary_line",
+    "table",
+]
 
 #: the stages of a step that the table lists (verl's ``timing_s/<stage>``; ``step`` is the whole step)
 STAGES = ("gen", "teacher", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "step")
@@ -143,7 +156,7 @@ def command(model: str, dtype: str, steps: int, student: Path, teacher: Path, da
     ]
 
 
-def _prepare(model: str, out: Path) -> tuple[Path, Path, Path]:
+def prepare(model: str, out: Path) -> tuple[Path, Path, Path]:
     """(student, teacher, data dir) under ``out``, built once (deterministic; reused when present)."""
     models, data = out / "models", out / "data"
     if model == "tiny":
@@ -164,22 +177,34 @@ def _prepare(model: str, out: Path) -> tuple[Path, Path, Path]:
     return Path(student), Path(teacher), data
 
 
-def _run(model: str, dtype: str, steps: int, paths: tuple[Path, Path, Path], out: Path, timeout_s: float) -> StepRun:
+def run_variant(
+    model: str,
+    dtype: str,
+    steps: int,
+    paths: tuple[Path, Path, Path],
+    out: Path,
+    timeout_s: float,
+    label: Optional[str] = None,
+    threads: Optional[int] = None,
+) -> StepRun:
+    """One verl run of ``steps`` steps in ``out/<model>_<label>`` (``label`` defaults to ``dtype``); ``threads``:
+    the Ray workers' torch threads (``OMP_NUM_THREADS``; None: this process's environment, else Ray's one)."""
     from verl_memopd.experiment.launching import cpu_env, parse_steps, run_bounded
 
-    run_dir = out / f"{model}_{dtype}"
+    label = label or dtype
+    run_dir = out / f"{model}_{label}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = cpu_env(run_dir)
+    env = cpu_env(run_dir, threads=threads)
     os.makedirs(env["RAY_TMPDIR"], exist_ok=True)
     cmd = command(model, dtype, steps, *paths, run_dir)
-    print(f"[bench step] {dtype}: {steps} steps, log {run_dir / 'main_ppo.log'}", flush=True)
-    run = run_bounded(cmd, run_dir, env, timeout_s, run_dir / "main_ppo.log", who="bench step")
+    print(f"[bench] {label}: {steps} steps, log {run_dir / 'main_ppo.log'}", flush=True)
+    run = run_bounded(cmd, run_dir, env, timeout_s, run_dir / "main_ppo.log", who=f"bench {label}")
     parsed = parse_steps(run.log)
-    result = StepRun(dtype, run.returncode, run.wall_s, parsed, steady_steps(steps, steps), run_dir / "main_ppo.log")
+    result = StepRun(label, run.returncode, run.wall_s, parsed, steady_steps(steps, steps), run_dir / "main_ppo.log")
     missing = [s for s in range(1, steps + 1) if "timing_s/step" not in parsed.get(s, {})]
     if run.returncode != 0 or missing:
         tail = "\n".join(run.log.splitlines()[-40:])
-        raise RuntimeError(f"bench step: the {dtype} run failed (exit {run.returncode}, no steps {missing}):\n{tail}")
+        raise RuntimeError(f"bench: the {label} run failed (exit {run.returncode}, no steps {missing}):\n{tail}")
     return result
 
 
@@ -345,33 +370,37 @@ def actor_factors(model_path: Path, rows: int, length: int, threads: Sequence[in
     return lines
 
 
-def _ratio(a: float, b: float) -> float:
+def ratio(a: float, b: float) -> float:
     return a / b if b and b == b and a == a else float("nan")
 
 
 def table(runs: dict[str, StepRun]) -> str:
-    fp32, bf16 = runs["fp32"], runs["bf16"]
+    """The per-stage table of two runs (``runs``' first two labels, A then B): seconds and A/B, then the token
+    counts, the audit step's figures and the largest rollout-vs-trainer log-prob gap of each."""
+    (a_label, a), (b_label, b) = list(runs.items())[:2]
     lines = [
-        f"steady steps timed: fp32 {fp32.timed}, bf16 {bf16.timed} (step 1 never; the audit step "
-        f"{max(fp32.steps)} only if nothing else is left)",
-        f"{'stage':16s} {'fp32_s':>10s} {'bf16_s':>10s} {'fp32/bf16':>10s}",
+        f"steady steps timed: {a_label} {a.timed}, {b_label} {b.timed} (step 1 never; the audit step "
+        f"{max(a.steps)} only if nothing else is left)",
+        f"{'stage':16s} {a_label + '_s':>10s} {b_label + '_s':>10s} {a_label + '/' + b_label:>10s}",
     ]
     for stage in STAGES:
-        a, b = fp32.stage_s(stage), bf16.stage_s(stage)
-        if a == a or b == b:
-            lines.append(f"{stage:16s} {a:10.3f} {b:10.3f} {_ratio(a, b):10.3f}")
+        x, y = a.stage_s(stage), b.stage_s(stage)
+        if x == x or y == y:
+            lines.append(f"{stage:16s} {x:10.3f} {y:10.3f} {ratio(x, y):10.3f}")
     for key in ("perf/total_num_tokens", "prompt_length/mean", "response_length/mean"):
-        lines.append(f"{key:28s} fp32 {fp32.mean(key):.1f} bf16 {bf16.mean(key):.1f}")
+        lines.append(f"{key:28s} {a_label} {a.mean(key):.1f} {b_label} {b.mean(key):.1f}")
     for key in ("memopd/audit/rce_pass", "memopd/audit/rce_max_diff_over_tolerance", "memopd/audit/rce_noise_floor"):
-        lines.append(f"{key:42s} fp32 {fp32.audit(key):.4g} bf16 {bf16.audit(key):.4g}")
+        lines.append(f"{key:42s} {a_label} {a.audit(key):.4g} {b_label} {b.audit(key):.4g}")
     key = "training/rollout_probs_diff_max"
-    lines.append(f"{key:42s} fp32 {fp32.max_over_steps(key):.4g} bf16 {bf16.max_over_steps(key):.4g} (max over steps)")
+    lines.append(
+        f"{key:42s} {a_label} {a.max_over_steps(key):.4g} {b_label} {b.max_over_steps(key):.4g} (max over steps)"
+    )
     return "\n".join(lines)
 
 
 def summary_line(model: str, runs: dict[str, StepRun], actor_vs_plain: float) -> str:
     fp32, bf16 = runs["fp32"], runs["bf16"]
-    speed = {s: _ratio(fp32.stage_s(s), bf16.stage_s(s)) for s in ("step", "gen", "update_actor", "update_critic")}
+    speed = {s: ratio(fp32.stage_s(s), bf16.stage_s(s)) for s in ("step", "gen", "update_actor", "update_critic")}
     rce = bf16.audit("memopd/audit/rce_pass")
     return (
         f"step model={model} fp32_s={fp32.stage_s('step'):.3f} bf16_s={bf16.stage_s('step'):.3f} "
@@ -424,18 +453,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.factors:
-        print("\n".join(actor_factors(_prepare(args.model, args.out.resolve())[0], *args.factors)))
+        print("\n".join(actor_factors(prepare(args.model, args.out.resolve())[0], *args.factors)))
         return 0
     if args.premise:
-        model = None if args.model == "tiny" else _prepare(args.model, args.out.resolve())[0]
+        model = None if args.model == "tiny" else prepare(args.model, args.out.resolve())[0]
         for line in premise(model, args.threads):
             print(line, flush=True)
         return 0
     steady_steps(args.steps, args.steps)  # fails early on --steps < 2
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    paths = _prepare(args.model, out)
-    runs = {dtype: _run(args.model, dtype, args.steps, paths, out, args.timeout_s) for dtype in ("fp32", "bf16")}
+    paths = prepare(args.model, out)
+    runs = {d: run_variant(args.model, d, args.steps, paths, out, args.timeout_s) for d in ("fp32", "bf16")}
     shape = _batch_shape(args.model)
     bf16 = runs["bf16"]
     length = round(bf16.mean("prompt_length/mean") + bf16.mean("response_length/mean"))

@@ -107,7 +107,13 @@ def _train(cfg: ExperimentConfig, paths: Paths, run_dir: Path, what: str, comman
         f"(progress: grep '^step:' {run_dir / 'main_ppo.log'})",
         flush=True,
     )
-    run_logged(heavy(command, cfg.timeout_s), run_dir / "main_ppo.log", cpu_env(paths.root), None, cwd=paths.root)
+    run_logged(
+        heavy(command, cfg.timeout_s),
+        run_dir / "main_ppo.log",
+        cpu_env(paths.root, threads=cfg.worker_threads),
+        None,
+        cwd=paths.root,
+    )
     final = run_dir / "checkpoints" / f"global_step_{a.steps}" / "actor" / "huggingface"
     if not (final / "config.json").is_file():
         raise RuntimeError(f"{what}: no final actor export at {final}; see {run_dir / 'main_ppo.log'}")

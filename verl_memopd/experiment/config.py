@@ -194,10 +194,16 @@ class ExperimentConfig:
     #: arms and results (``Paths.at``), ``n_train/n_val/n_test`` episodes each, while the models and the two SFT
     #: runs are shared -- both SFTs train on the oracle's calls of every preset, mixed
     presets: tuple[str, ...] = ("tiny",)
+    #: torch threads of every verl run's Ray workers (``OMP_NUM_THREADS``; ``launching.cpu_env``). None: Ray's
+    #: default, one thread per worker (verl's worker groups start without ``num_cpus``), which cpu_tiny and cpu_smollm2
+    #: were measured with; ``python -m verl_memopd.bench threads`` measures what more threads gain
+    worker_threads: int | None = None
 
     def __post_init__(self) -> None:
         from verl_memopd.tasks.generator import get_preset
 
+        if self.worker_threads is not None and self.worker_threads < 1:
+            raise ValueError(f"ExperimentConfig.worker_threads must be >= 1 or None, got {self.worker_threads}")
         if not self.presets or len(set(self.presets)) != len(self.presets):
             raise ValueError(f"ExperimentConfig.presets must be distinct and non-empty, got {self.presets}")
         for preset in self.presets:

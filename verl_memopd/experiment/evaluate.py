@@ -123,7 +123,7 @@ def eval_model(
     run_logged(
         heavy(eval_command(model, split_file, workdir, n, cfg.max_response_length), cfg.timeout_s),
         log,
-        cpu_env(paths.root),
+        cpu_env(paths.root, threads=cfg.worker_threads),
         None,
         cwd=paths.root,
     )

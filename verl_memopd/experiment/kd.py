@@ -187,7 +187,9 @@ def run_sft_arm(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, studen
         flush=True,
     )
     started = time.monotonic()
-    final = run_sft(student, data, run_dir / "sft", sft, f"{arm}_seed{seed}", cpu_env(paths.root))
+    final = run_sft(
+        student, data, run_dir / "sft", sft, f"{arm}_seed{seed}", cpu_env(paths.root, threads=cfg.worker_threads)
+    )
     wall = time.monotonic() - started
     saved = {step: hf_export(run_dir / "sft", step) for step in range(sft.save_every, sft.steps + 1, sft.save_every)}
     for step, model in saved.items():

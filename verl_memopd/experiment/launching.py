@@ -63,18 +63,27 @@ def offline_env() -> dict[str, str]:
     }
 
 
-def cpu_env(workdir: Path) -> dict[str, str]:
-    """:func:`offline_env` for a verl CPU run: cpu platform, a 1 GiB vLLM KV cache, caches in ``workdir/cache``."""
+def cpu_env(workdir: Path, threads: int | None = None) -> dict[str, str]:
+    """:func:`offline_env` for a verl CPU run: cpu platform, a 1 GiB vLLM KV cache, caches in ``workdir/cache``.
+
+    ``threads``: torch threads of each Ray worker (``OMP_NUM_THREADS``, which Ray leaves alone when set; unset, Ray
+    gives a worker started without ``num_cpus`` -- verl's worker groups -- one thread). None keeps this process's
+    environment as it is."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"cpu_env: threads must be >= 1 or None, got {threads}")
     cache = Path(workdir) / "cache"
-    return {
+    env = {
         **offline_env(),
         "VERL_PLATFORM": "cpu",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "HF_HOME": str(cache / "hf"),
         "VLLM_CACHE_ROOT": str(cache / "vllm"),
         "TRITON_CACHE_DIR": str(cache / "triton"),
-        "RAY_TMPDIR": "/tmp/ray_memopd",
-    }  # Ray needs a short path for its sockets
+        "RAY_TMPDIR": "/tmp/ray_memopd",  # Ray needs a short path for its sockets
+    }
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
 
 
 @dataclass(frozen=True)

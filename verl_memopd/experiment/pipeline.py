@@ -132,7 +132,14 @@ def _stage_sft(role: str, cfg: ExperimentConfig, paths: Paths) -> None:
         f"calls, lr {sft.lr}, checkpoint every {sft.save_every} (ETA ~{(sft.steps - start) * sft.step_s / 60:.0f} "
         f"min alone; progress: tail -f {run_dir / 'sft.log'})"
     )
-    hf = run_sft(paths.models / role, paths.sft_data, run_dir, sft, f"sft_{role}", cpu_env(paths.root))
+    hf = run_sft(
+        paths.models / role,
+        paths.sft_data,
+        run_dir,
+        sft,
+        f"sft_{role}",
+        cpu_env(paths.root, threads=cfg.worker_threads),
+    )
     _say(f"sft_{role}: done -> {hf}")
 
 
