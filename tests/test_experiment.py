@@ -109,6 +109,28 @@ def test_student_choice_evaluates_latest_first_and_stops_in_the_band(tmp_path, m
     assert evaluate.chosen_student(replace(cfg, student_f1_band=None), paths) == cfg.student_sft.steps
 
 
+def test_arms_validate_checkpoint_and_audit_on_their_own_schedules(tmp_path):
+    from dataclasses import replace
+
+    from verl_memopd.experiment.arms import arm_command
+    from verl_memopd.experiment.config import ArmsConfig, smollm2_horizon_config
+
+    cfg, paths = smollm2_horizon_config(), Paths(tmp_path / "runs", tmp_path / "results")
+    assert (cfg.arms.val_every, cfg.arms.checkpoint_every, cfg.arms.val_before_train) == (10, 5, False)
+    assert list(cfg.arms.val_steps()) == [10] and list(cfg.arms.checkpoint_steps()) == [5, 10]
+    cmd = arm_command(cfg, paths, "opd", 0, "S", "T")
+    for item in ("trainer.test_freq=10", "trainer.save_freq=5", "trainer.val_before_train=false"):
+        assert item in cmd
+    assert "memopd.audit.every_n_steps=5" in cmd  # an audit at every checkpoint, not only at the val step
+    default = replace(cfg.arms, save_every=None, val_before_train=True)
+    assert default.checkpoint_every == default.val_every  # unset: checkpoints at the val steps, as before
+    assert "trainer.val_before_train=true" in arm_command(replace(cfg, arms=default), paths, "opd", 0, "S", "T")
+    with pytest.raises(ValueError, match="multiple of checkpoint_every=3"):
+        replace(cfg.arms, save_every=3)
+    with pytest.raises(ValueError, match="multiple of val_every=0"):
+        ArmsConfig(steps=10, val_every=0, episodes_per_step=8, samples_per_episode=1, lr=1e-5, seeds=(0,))
+
+
 def test_sweep_runs_change_one_setting_of_the_matched_arm(tmp_path):
     from verl_memopd.experiment.arms import arm_command
 

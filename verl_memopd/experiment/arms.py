@@ -4,8 +4,9 @@ kd_soft (RL: ``main_ppo``); KD and continued SFT (verl SFT, ``kd.py``).
 Every arm starts from the chosen student SFT checkpoint and shares everything but its arm
 overrides (:data:`config.ARMS`): data order (``data.seed``), rollout seeds (``rollout.seed``, one
 vLLM seed per call), steps, batch, lr, alpha, beta, the teacher folder. verl validates on the val
-split every ``val_every`` steps (and before step 1), checkpoints at the same steps and resumes
-(``trainer.resume_mode=auto``); after the last step the final actor is evaluated on the test split.
+split every ``val_every`` steps (and before step 1 unless ``val_before_train`` is off), checkpoints
+every ``save_every`` steps (default: at the val steps) and resumes (``trainer.resume_mode=auto``);
+after the last step the final actor is evaluated on the test split.
 An arm is done when ``DONE.json`` exists; its metrics are re-read from its log by the report.
 
 The sweep stage reruns arms at seed 0 with one setting changed (:class:`config.Variant`: lr, lambda),
@@ -62,11 +63,11 @@ def arm_command(
         "actor_rollout_ref.rollout.enable_prefix_caching=false",
         f"trainer.total_training_steps={a.steps}",
         f"trainer.test_freq={a.val_every}",
-        f"trainer.save_freq={a.val_every}",
-        "trainer.val_before_train=true",
+        f"trainer.save_freq={a.checkpoint_every}",
+        f"trainer.val_before_train={str(a.val_before_train).lower()}",
         "trainer.resume_mode=auto",
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
-        f"memopd.audit.every_n_steps={a.val_every}",
+        f"memopd.audit.every_n_steps={a.checkpoint_every}",
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
         f"trainer.experiment_name={run_dir.name}",
         *cfg.arm_overrides,
@@ -157,7 +158,7 @@ def run_arm(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, t
 
         exports = {
             step: fp32_export(run_dir / "checkpoints" / f"global_step_{step}" / "actor" / "huggingface")
-            for step in range(a.val_every, a.steps + 1, a.val_every)
+            for step in a.checkpoint_steps()
         }
         arm_heldout_kl(cfg, paths, arm, seed, exports, teacher)
     if cfg.final_evals:

@@ -91,7 +91,9 @@ class ArmsConfig:
     """The matched RL arms: same data order, rollout seeds, steps, batch, lr, alpha, beta for each.
 
     ``lr`` is the actor's and the critic's (verl's critic default, 1e-5, leaves the random value head near
-    its start for the whole run)."""
+    its start for the whole run). verl validates on val every ``val_every`` steps (and before step 1 if
+    ``val_before_train``); a checkpoint, an RCE audit step and the held-out KL every ``save_every`` steps (None:
+    ``val_every``), so a run cut off resumes from its latest checkpoint."""
 
     steps: int
     val_every: int
@@ -100,13 +102,30 @@ class ArmsConfig:
     lr: float
     seeds: tuple[int, ...]
     arms: tuple[str, ...] = tuple(ARMS)
+    save_every: int | None = None
+    val_before_train: bool = True
 
     def __post_init__(self) -> None:
         unknown = [a for a in self.arms if a not in ARMS]
         if unknown:
             raise ValueError(f"ArmsConfig.arms: unknown {unknown}; valid: {sorted(ARMS)}")
-        if self.steps % self.val_every:
-            raise ValueError(f"ArmsConfig: steps={self.steps} must be a multiple of val_every={self.val_every}")
+        for name in ("val_every", "checkpoint_every"):
+            every = getattr(self, name)
+            if every < 1 or self.steps % every:
+                raise ValueError(f"ArmsConfig: steps={self.steps} must be a multiple of {name}={every} (>= 1)")
+
+    @property
+    def checkpoint_every(self) -> int:
+        """Steps between checkpoints (``save_every``, else ``val_every``)."""
+        return self.val_every if self.save_every is None else self.save_every
+
+    def checkpoint_steps(self) -> range:
+        """The steps with a checkpoint (the last one included)."""
+        return range(self.checkpoint_every, self.steps + 1, self.checkpoint_every)
+
+    def val_steps(self) -> range:
+        """The steps verl validates after (the last one included)."""
+        return range(self.val_every, self.steps + 1, self.val_every)
 
 
 @dataclass(frozen=True)
@@ -364,8 +383,17 @@ def smollm2_horizon_config() -> ExperimentConfig:
         student_f1_band=None,
         # h12's packed episodes reach ~2.2k response tokens (22 of 128 test episodes exceeded 2048, measured)
         max_response_length=4096,
-        # the summary line's arms (horizon.SUMMARY_ARMS); PPO alone is settled at T=3 (results/cpu_smollm2)
-        arms=replace(base.arms, arms=("memopd", "opd", "kd_soft", "kd", "sft", "flat")),
+        # the summary line's arms (horizon.SUMMARY_ARMS); PPO alone is settled at T=3 (results/cpu_smollm2). Val
+        # once, after the last step: verl's val is greedy, so a val before training repeats the same start episodes
+        # in every arm and seed, and a mid-run one costs ~9 min at h12 (32 episodes) for a curve the summary does not
+        # use; checkpoints (and the audit, the held-out KL) stay every 5 steps, so a cut-off run loses <= 5 steps
+        arms=replace(
+            base.arms,
+            arms=("memopd", "opd", "kd_soft", "kd", "sft", "flat"),
+            val_every=base.arms.steps,
+            save_every=5,
+            val_before_train=False,
+        ),
     )
 
 

@@ -9,9 +9,9 @@ data. The teacher runs the memory agent alone on those episodes (greedy, ``hf_ag
 learn on their own rollouts; ``kd_soft`` (an RL arm, ``arms.py``) replays the same trajectories through the MemOPD
 trainer (:func:`replay_file`, ``agent/replay.py``): the same loss as OPD, other states. ``sft`` learns the oracle's
 calls of the episodes (the data the start student was SFT'd on, continued). The SFT arms train with verl's SFT
-trainer (``experiment.sft``) on chat rows (one optimizer step = the calls of ``episodes_per_step`` episodes); their
-checkpoints at every ``val_every`` steps are evaluated on val with verl's validation, the final one on test, like
-the RL arms.
+trainer (``experiment.sft``) on chat rows (one optimizer step = the calls of ``episodes_per_step`` episodes); they
+checkpoint every ``save_every`` steps, the checkpoints at the ``val_every`` steps are evaluated on val with verl's
+validation, the final one on test, like the RL arms.
 
 Outputs: ``teacher_trajectories/seed<s>/`` (``sft.parquet`` chat rows, ``replay.parquet`` dataset rows for
 ``memopd_replay_agent``, ``trajectories.json``: indices, the teacher's F1 on them); under ``arms/<arm>_seed<s>/``:
@@ -58,7 +58,7 @@ def kd_sft_config(cfg: ExperimentConfig, calls_per_episode: int) -> SftConfig:
         steps=a.steps,
         batch=a.episodes_per_step * a.samples_per_episode * calls_per_episode,
         lr=a.lr,
-        save_every=a.val_every,
+        save_every=a.checkpoint_every,
         warmup_steps=0,
         min_lr_ratio=1.0,
     )
@@ -192,9 +192,9 @@ def run_sft_arm(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, studen
     )
     wall = time.monotonic() - started
     saved = {step: hf_export(run_dir / "sft", step) for step in range(sft.save_every, sft.steps + 1, sft.save_every)}
-    for step, model in saved.items():
+    for step in cfg.arms.val_steps():
         eval_model(
-            model,
+            saved[step],
             paths.data / "val.parquet",
             run_dir / f"val_step{step}.json",
             cfg,
