@@ -21,6 +21,8 @@
 #   ~1e-5 (the trainer reproduces every call's rollout state); then validation F1
 #   (val-core/memopd_memory/tiny/reward/mean@1; ~0 for an untrained tiny student).
 # Baselines: add memopd.teacher.state=flat (persistent-history teacher scoring) or memopd.distill.coef=0 (PPO only).
+# Async (verl's colocate_async trainer, partial rollouts across weight updates; docs/async.md): add
+#   memopd.trainer.base=colocate_async algorithm.rollout_correction.bypass_mode=true (refused without bypass).
 set -euo pipefail
 out="${MEMOPD_QUICKSTART_DIR:-runs/quickstart}"
 

