@@ -9,6 +9,10 @@
   the mean per-token KL(model || teacher) on their sampled tokens, each call run alone in the state it was
   sampled in, overall and by call index (the drift along the episode). The same tokens for every arm and step, so
   the values compare across arms (unlike the training KL, which each arm measures on its own rollouts).
+- **F1 by state** (``eval/state_<model>_<split>.json``, the eval stage with ``teacher_flat_sft``): a teacher acting
+  alone (greedy) in the aligned state and in the flat state, the persistent history the ``flat`` arm's teacher
+  scores in (``hf_agent.agent_calls(state=)``, the separator the arm's trainer resolves); mean F1 and per-episode
+  F1 of each. The flat arm's teacher is a fair control only if it is competent in the flat state.
 """
 
 from __future__ import annotations
@@ -20,17 +24,32 @@ from pathlib import Path
 
 from verl_memopd.experiment.config import ExperimentConfig, Paths
 
-__all__ = ["HELDOUT_SEED", "teacher_handoff", "heldout_rollouts", "heldout_kl", "arm_heldout_kl"]
+__all__ = [
+    "HELDOUT_SEED",
+    "STATE_BATCH",
+    "teacher_handoff",
+    "heldout_rollouts",
+    "heldout_kl",
+    "arm_heldout_kl",
+    "state_f1",
+]
 
 #: sampling seed of the held-out rollouts (fixed: the same tokens in every run of the experiment)
 HELDOUT_SEED = 12345
+#: episodes per ``generate`` batch by state: a flat-state call's input is the whole history (~2.2k tokens at h12's
+#: last call), and CPU attention over a left-padded batch holds a (batch, heads, L, L) score tensor
+STATE_BATCH = {"aligned": 32, "flat": 8}
+
+
+def _split_rows(paths: Paths, split: str) -> list[dict]:
+    import pandas as pd
+
+    frame = pd.read_parquet(paths.data / f"{split}.parquet")
+    return [frame.iloc[i].to_dict() for i in range(len(frame))]
 
 
 def _val_rows(paths: Paths) -> list[dict]:
-    import pandas as pd
-
-    frame = pd.read_parquet(paths.data / "val.parquet")
-    return [frame.iloc[i].to_dict() for i in range(len(frame))]
+    return _split_rows(paths, "val")
 
 
 def teacher_handoff(cfg: ExperimentConfig, paths: Paths, student: Path, teacher: Path) -> dict:
@@ -138,3 +157,52 @@ def arm_heldout_kl(
             run_dir / f"heldout_kl_step{step}.json",
             {"arm": arm, "seed": seed, "step": step},
         )
+
+
+def state_f1(paths: Paths, name: str, model_dir: Path, step: int, split: str) -> dict:
+    """``eval/state_<name>_<split>.json`` (cached): the model ``model_dir`` (``name`` at SFT ``step``) acting alone,
+    greedy, on every episode of ``split`` in each state of ``hf_agent.STATES``: ``{"f1": {state: mean F1},
+    "episodes": {state: [F1 per episode, in the split's order]}, "separator": [...], ...}``. Each state is saved as
+    it finishes (``.partial.json``), so a stopped run resumes at the next one."""
+    from verl_memopd.experiment.hf_agent import STATES, agent_calls, load_model
+    from verl_memopd.experiment.launch import AGENT_TOKENS
+    from verl_memopd.trainer.teacher import flat_separator_ids
+
+    out = paths.evals() / f"state_{name}_{split}.json"
+    partial = out.with_suffix(".partial.json")
+    if out.is_file():
+        return json.loads(out.read_text())
+    started = time.monotonic()
+    rows = _split_rows(paths, split)
+    done = json.loads(partial.read_text()) if partial.is_file() else {}
+    model, tokenizer = load_model(model_dir)
+    separator = list(flat_separator_ids(None, tokenizer, len(tokenizer)))  # the flat arm's (option left at null)
+    for state in (s for s in STATES if s not in done):
+        print(
+            f"[experiment {time.strftime('%H:%M:%S')}] eval state: {name} acting in the {state} state ({split}, "
+            f"{len(rows)} episodes, greedy, Hugging Face generate)",
+            flush=True,
+        )
+        episodes = agent_calls(
+            rows, [model], tokenizer, batch=STATE_BATCH[state], state=state, separator=separator, **AGENT_TOKENS
+        )
+        done[state] = [e.f1 for e in episodes]
+        partial.write_text(json.dumps(done) + "\n")
+    result = {
+        "model": name,
+        "path": str(model_dir),
+        "step": step,
+        "split": split,
+        "separator": separator,
+        "f1": {state: sum(done[state]) / len(done[state]) for state in STATES},
+        "episodes": {state: done[state] for state in STATES},
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    partial.unlink()
+    print(
+        f"[experiment] eval state {name} ({split}): F1 "
+        + " ".join(f"{state} {result['f1'][state]:.3f}" for state in STATES),
+        flush=True,
+    )
+    return result

@@ -4,7 +4,9 @@ The calls are the training agent loop's own (``agent.episode.MemoryEpisode`` on 
 then ``[q | memory | chunk]`` per call, the memory being the previous call's sampled ids up to its stop
 token), and scored with the benchmark's F1 (``tasks.reward``). What differs
 from ``verl_memopd.agent.loop``: generation is Hugging Face ``generate`` (batched, left-padded, fp32, CPU), and
-each call may be served by a different model. Three uses:
+each call may be served by a different model, and a model may act in the flat state (``state="flat"``: at call t its
+input is the persistent history of calls 0..t-1, q then each call's block ``[x ; a]``, the blocks separated, then
+the separator and ``x_t``: the ``flat`` layout the persistent-history teacher scores in, :func:`flat_prompt`). Uses:
 
 - **teacher from the student's state** (:func:`handoff_f1`): the student writes memory for calls ``0..t-1``,
   the teacher takes over from call ``t``; F1 per ``t`` says whether the teacher can still answer from states
@@ -12,23 +14,43 @@ each call may be served by a different model. Three uses:
 - **off-policy KD data** (:func:`agent_calls` with the teacher alone, greedy): the teacher's own trajectories
   as chat rows for verl's SFT trainer;
 - **held-out reverse KL** (:func:`agent_calls` sampled with a fixed seed, then :func:`reverse_kl_on_calls`):
-  one fixed set of the start student's rollouts, on which every arm's model is compared with the teacher.
+  one fixed set of the start student's rollouts, on which every arm's model is compared with the teacher;
+- **F1 by state** (:func:`agent_calls` with ``state``, greedy): a teacher acting in the aligned and in the flat state,
+  whether the persistent-history teacher can act in the state it scores in (``heldout.state_f1``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-__all__ = ["AgentCall", "AgentEpisode", "load_model", "agent_calls", "handoff_f1", "reverse_kl_on_calls", "sft_rows"]
+if TYPE_CHECKING:
+    from verl_memopd.agent.episode import CallRequest
+
+__all__ = [
+    "STATES",
+    "AgentCall",
+    "AgentEpisode",
+    "load_model",
+    "flat_prompt",
+    "agent_calls",
+    "handoff_f1",
+    "reverse_kl_on_calls",
+    "sft_rows",
+]
+
+#: the states a model can act in: ``aligned`` (each call's own ``q + x_t``, what the agent sends) or ``flat`` (the
+#: persistent history, :func:`flat_prompt`)
+STATES = ("aligned", "flat")
 
 
 @dataclass(frozen=True)
 class AgentCall:
-    """One call: ``prompt_ids`` (q + context, as sent), ``response_ids`` (as generated, stop id included if
-    the call stopped); ``user`` / ``reply``: the same call as text (the call message with the memory decoded, the
-    reply without its stop token), the shape of the oracle's SFT traces."""
+    """One call: ``prompt_ids`` (as sent: q + context in the aligned state, the persistent history up to ``x_t`` in
+    the flat one), ``response_ids`` (as generated, stop id included if the call stopped); ``user`` / ``reply``: the
+    same call as text (the call message with the memory decoded, the reply without its stop token), the shape of the
+    oracle's SFT traces."""
 
     call: int
     prompt_ids: tuple[int, ...]
@@ -60,6 +82,18 @@ def _stop_ids(model, tokenizer) -> list[int]:
     eos = getattr(model.generation_config, "eos_token_id", None)
     ids |= set([eos] if isinstance(eos, int) else (eos or ()))
     return sorted(i for i in ids if i is not None)
+
+
+def flat_prompt(
+    history: tuple[int, ...], request: "CallRequest", prefix_len: int, separator: Sequence[int]
+) -> tuple[int, ...]:
+    """Call t's input in the flat state: ``history`` (the ids of calls 0..t-1 as the flat state ran them, each call's
+    input then its reply; empty before call 0), ``separator``, then ``x_t`` (``request.prompt_ids`` past the
+    ``prefix_len`` ids of q); call 0's is ``q + x_0``. So the input before ``a_t`` is the ``flat`` layout's row of
+    the episode's calls (``packing``, ``LayoutOptions.flat_separator_ids``), which the flat teacher scores."""
+    if not history:
+        return request.prompt_ids
+    return history + tuple(separator) + request.prompt_ids[prefix_len:]
 
 
 def _generate(
@@ -111,18 +145,25 @@ def agent_calls(
     sample: bool = False,
     seed: int | None = None,
     batch: int = 32,
+    state: str = "aligned",
+    separator: Sequence[int] = (),
 ) -> list[AgentEpisode]:
     """Run the memory agent over ``rows`` (dataset rows: ``prompt``, ``extra_info``, ``reward_model``).
 
     ``models``: one model, or (first, second) with ``switch_at`` = the first call served by ``second`` (0 = all
     calls by it; >= the number of calls = none). ``sample``: temperature-1 sampling (seeded by ``seed`` per call
-    batch) instead of greedy. Returns one :class:`AgentEpisode` per row, in order.
+    batch) instead of greedy. ``state`` (:data:`STATES`): what each call's model reads, its own ``q + x_t``
+    (``aligned``) or the persistent history (``flat``, :func:`flat_prompt` with ``separator``, e.g. the chat
+    template's turn separator ``trainer.teacher.flat_separator_ids`` resolves); the memory each reply hands on is the
+    same in both. Returns one :class:`AgentEpisode` per row, in order.
     """
     from verl_memopd.agent.context import CallContext
     from verl_memopd.agent.episode import MemoryEpisode
     from verl_memopd.tasks.dataset import parse_row
     from verl_memopd.tasks.prompts import MemoryPrompts
 
+    if state not in STATES:
+        raise ValueError(f"agent_calls: state={state!r}, expected one of {STATES}")
     first, second = (models[0], models[-1])
     out: list[AgentEpisode] = []
     for start in range(0, len(rows), batch):
@@ -138,24 +179,30 @@ def agent_calls(
                 f"rows {start}..{start + len(group) - 1}: episodes with different call counts {n_calls} in one batch"
             )
         calls: list[list[AgentCall]] = [[] for _ in group]
+        histories: list[tuple[int, ...]] = [() for _ in group]  # the flat state's ids so far, per episode
         for t in range(n_calls.pop()):
             model = second if switch_at is not None and t >= switch_at else first
             users = [e.message(tokenizer.decode(e.kept_ids, skip_special_tokens=True)) for e in episodes]
             requests = [e.next_call() for e in episodes]
+            prompts = [
+                r.prompt_ids if state == "aligned" else flat_prompt(h, r, len(e.context.prefix_ids), separator)
+                for e, r, h in zip(episodes, requests, histories)
+            ]
             stops = _stop_ids(model, tokenizer)
             replies = _generate(
                 model,
-                [r.prompt_ids for r in requests],
+                prompts,
                 requests[0].budget,
                 tokenizer.pad_token_id,
                 stops,
                 sample,
                 None if seed is None else seed * 1000 + start * 10 + t,
             )
-            for e, episode_calls, request, reply, user in zip(episodes, calls, requests, replies, users):
+            histories = [prompt + reply for prompt, reply in zip(prompts, replies)]
+            for e, episode_calls, prompt, reply, user in zip(episodes, calls, prompts, replies, users):
                 e.receive(reply, stopped=bool(reply) and reply[-1] in stops)
                 text = tokenizer.decode(e.kept_ids, skip_special_tokens=True)
-                episode_calls.append(AgentCall(t, request.prompt_ids, reply, user, text))
+                episode_calls.append(AgentCall(t, prompt, reply, user, text))
         for i, (e, episode_calls) in enumerate(zip(episodes, calls)):
             answer = tokenizer.decode(e.kept_ids, skip_special_tokens=True)
             out.append(AgentEpisode(start + i, tuple(episode_calls), answer, float(e.score(answer).f1)))
