@@ -4,7 +4,9 @@
 #   bash recipes/experiment_cpu.sh                       full run (runs/cpu_tiny, results/cpu_tiny)
 #   EXPERIMENT_SMOKE=1 bash recipes/experiment_cpu.sh    minutes: a few SFT steps, one step of memopd, kd_soft, kd
 #   bash recipes/experiment_cpu.sh --until eval          stop after a stage (models data sft_student sft_teacher
-#                                                        eval arms diagnose report); --only STAGE runs just that one
+#                                                        sft_teacher_flat eval arms diagnose report); --only STAGE
+#                                                        runs just that one (sft_teacher_flat: only experiments
+#                                                        with teacher_flat_sft, e.g. cpu_smollm2_horizon)
 #   bash recipes/experiment_cpu.sh --until sweep         the experiment, then the follow-up val-only sensitivity sweep
 #   bash recipes/experiment_cpu.sh --experiment cpu_smollm2 --root /work/runs_smol
 #                                                        the evidence run on a pretrained model: SmolLM2-135M-Instruct

@@ -3,7 +3,8 @@ kd_soft (RL: ``main_ppo``); KD and continued SFT (verl SFT, ``kd.py``).
 
 Every arm starts from the chosen student SFT checkpoint and shares everything but its arm
 overrides (:data:`config.ARMS`): data order (``data.seed``), rollout seeds (``rollout.seed``, one
-vLLM seed per call), steps, batch, lr, alpha, beta, the teacher folder. verl validates on the val
+vLLM seed per call), steps, batch, lr, alpha, beta, the teacher folder (the ``flat`` arm's own, trained on the flat
+state, where the experiment has one: :func:`scoring_teacher`). verl validates on the val
 split every ``val_every`` steps (and before step 1 unless ``val_before_train`` is off), checkpoints
 every ``save_every`` steps (default: at the val steps) and resumes (``trainer.resume_mode=auto``);
 after the last step the final actor is evaluated on the test split.
@@ -27,7 +28,18 @@ from verl_memopd.experiment.launching import cpu_env, prune_checkpoints
 from verl_memopd.experiment.runner import attempts, heavy, heavy_wall_s, last_attempt, run_logged
 from verl_memopd.experiment.sft import fp32_export, start_models
 
-__all__ = ["arm_command", "run_arm", "stage_arms", "stage_sweep", "check_arm_overrides"]
+__all__ = ["scoring_teacher", "arm_command", "run_arm", "stage_arms", "stage_sweep", "check_arm_overrides"]
+
+
+def scoring_teacher(cfg: ExperimentConfig, paths: Paths, arm: str, teacher) -> Path:
+    """The teacher an arm's trainer scores with (``memopd.teacher.path``): for the ``flat`` arm of an experiment with
+    a persistent-history teacher (``teacher_flat_sft``), that teacher's final export (``flat_sft.py``); else
+    ``teacher``, the aligned one (every other arm, and the held-out KL of every arm, keep it)."""
+    if arm == "flat" and cfg.teacher_flat_sft is not None:
+        from verl_memopd.experiment.flat_sft import teacher_flat_export
+
+        return teacher_flat_export(cfg, paths)
+    return Path(teacher)
 
 
 def arm_command(
@@ -40,15 +52,16 @@ def arm_command(
     variant: Variant | None = None,
     train_file: Path | None = None,
 ) -> list[str]:
-    """The arm's ``main_ppo`` command; ``variant`` changes the lr and/or appends overrides (sweep runs);
-    ``train_file`` replaces the split's train episodes (a replay arm's: :func:`kd.replay_file`)."""
+    """The arm's ``main_ppo`` command; ``teacher``: the aligned teacher (the flat arm's may differ:
+    :func:`scoring_teacher`); ``variant`` changes the lr and/or appends overrides (sweep runs); ``train_file``
+    replaces the split's train episodes (a replay arm's: :func:`kd.replay_file`)."""
     a = cfg.arms
     lr = variant.lr if variant is not None and variant.lr is not None else a.lr
     run_dir = paths.arm(arm, seed) if variant is None else paths.sweep_run(variant.name, arm, seed)
     return main_ppo(
         f"data.max_response_length={cfg.max_response_length}",
         f"actor_rollout_ref.model.path={student}",
-        f"memopd.teacher.path={teacher}",
+        f"memopd.teacher.path={scoring_teacher(cfg, paths, arm, teacher)}",
         "ray_kwargs.ray_init.num_gpus=2",
         f"data.train_files={train_file or paths.data / 'train.parquet'}",
         f"data.val_files={paths.data / 'val.parquet'}",

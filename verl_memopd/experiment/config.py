@@ -65,7 +65,8 @@ class SftConfig:
     ``steps`` optimizer steps of ``batch`` rows (one row = one agent call), lr warmed up over
     ``warmup_steps`` then cosine-decayed to ``min_lr_ratio * lr``; a checkpoint (verl format plus
     a Hugging Face export) and a validation loss every ``save_every`` steps. ``step_s`` is the measured wall
-    time of one step alone on 2 cores, used only for the ETA the stage prints.
+    time of one step alone on 2 cores, used only for the ETA the stage prints. ``max_length``: verl's
+    ``data.max_length``, the longest row in tokens (a longer one is refused, ``data.truncation=error``).
     """
 
     steps: int
@@ -75,10 +76,11 @@ class SftConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     step_s: float = 1.5
+    max_length: int = 512
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.batch < 1 or self.save_every < 1:
-            raise ValueError(f"SftConfig: steps, batch and save_every must be >= 1, got {self}")
+        if self.steps < 1 or self.batch < 1 or self.save_every < 1 or self.max_length < 1:
+            raise ValueError(f"SftConfig: steps, batch, save_every and max_length must be >= 1, got {self}")
         if self.steps % self.save_every:
             raise ValueError(
                 f"SftConfig: steps={self.steps} must be a multiple of save_every={self.save_every} "
@@ -217,9 +219,27 @@ class ExperimentConfig:
     #: default, one thread per worker (verl's worker groups start without ``num_cpus``), which cpu_tiny and cpu_smollm2
     #: were measured with; ``python -m verl_memopd.bench threads`` measures what more threads gain
     worker_threads: int | None = None
+    #: the persistent-history control's own teacher, the ``flat`` arm's ``memopd.teacher.path`` (stage
+    #: ``sft_teacher_flat``, ``experiment/flat_sft.py``): verl's SFT continued from the final aligned teacher on the
+    #: oracle's episodes as flat rows (the flat state the arm's teacher scores in) mixed with per-call rows (the aligned
+    #: state); ``batch`` counts rows of either kind. None: no such stage, the flat arm scores with the aligned teacher
+    teacher_flat_sft: SftConfig | None = None
+    #: with ``teacher_flat_sft``: the splits on which the eval stage reports each teacher's F1 acting in the aligned
+    #: and in the flat state (``heldout.state_f1``: the Hugging Face agent, greedy), ``eval/state_<model>_<split>.json``
+    state_eval_splits: tuple[str, ...] = ("val",)
 
     def __post_init__(self) -> None:
         from verl_memopd.tasks.generator import get_preset
+
+        if self.teacher_flat_sft is not None and not isinstance(self.teacher_flat_sft, SftConfig):
+            raise ValueError(
+                f"ExperimentConfig.teacher_flat_sft must be an SftConfig or None, got {self.teacher_flat_sft!r}"
+            )
+        bad = [s for s in self.state_eval_splits if s not in ("val", "test")]
+        if bad or len(set(self.state_eval_splits)) != len(self.state_eval_splits):
+            raise ValueError(
+                f"ExperimentConfig.state_eval_splits={self.state_eval_splits}: each of 'val', 'test', at most once"
+            )
 
         if self.worker_threads is not None and self.worker_threads < 1:
             raise ValueError(f"ExperimentConfig.worker_threads must be >= 1 or None, got {self.worker_threads}")
@@ -370,7 +390,9 @@ def smollm2_horizon_config() -> ExperimentConfig:
     teacher must be competent at the longest T, so its SFT is twice :func:`smollm2_config`'s); the student starts
     from its final SFT step at every T (one start; its F1 per T is measured, not chosen). Per T: 2048 / 32 / 128
     episodes; the pre-study (eval stage: teacher and start F1, the hand-off curve, the start's held-out KL) runs
-    before any arm. Precision: fp32 (the bf16 CPU profile is not yet audited in a full arm).
+    before any arm. Precision: fp32 (the bf16 CPU profile is not yet audited in a full arm). The ``flat`` arm scores
+    with its own teacher, the teacher's SFT continued on flat and per-call rows (``teacher_flat_sft``), whose F1 in
+    either state the eval stage reports next to the aligned teacher's (val).
     """
     base = smollm2_config()
     return replace(
@@ -393,6 +415,15 @@ def smollm2_horizon_config() -> ExperimentConfig:
             val_every=base.arms.steps,
             save_every=5,
             val_before_train=False,
+        ),
+        # the flat arm's own teacher (issue 38: a fair persistent-history control), from the final teacher: 40 steps x
+        # 8 rows, ~2.4 of them flat (experiment/flat_sft.py; ~490 tokens a row over the 3 presets, h12's flat rows
+        # ~1.85k, the longest 2274 of 512 episodes). step_s: the teacher SFT's ~90 tokens/s (1.75k-token steps in
+        # ~20 s) at ~3.9k tokens a step, plus ~15% for attention over the longer rows; ETA ~33 min of steps + 2
+        # checkpoints and validations (~5 min) + the rows (~2.5 min). lr: peak 3e-5, below the teacher SFT's 5e-5 (it
+        # continues a converged model on a new layout of the same calls), cosine to 0.1 of it as the teacher's own
+        teacher_flat_sft=SftConfig(
+            steps=40, batch=8, lr=3e-5, save_every=20, warmup_steps=2, min_lr_ratio=0.1, step_s=50.0, max_length=3072
         ),
     )
 

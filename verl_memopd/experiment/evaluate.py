@@ -17,6 +17,9 @@ answers the final memory still holds (``memory_recall``) and how often a memory 
 model's accuracy per call given the oracle's state (``calls.py``), so it can be traced to a call.
 Results: ``diagnose/<model>_val.json``, ``diagnose/<model>_calls.json``.
 
+With a persistent-history teacher (``ExperimentConfig.teacher_flat_sft``) the eval stage also reports both teachers'
+F1 acting in the aligned and in the flat state (:func:`state_evals`, ``eval/state_<model>_<split>.json``).
+
 Every eval also keeps its per-episode scores (``episodes`` in its JSON: one ``{"f1", "em", "input_sha"}`` per
 episode, in the split's order), read from verl's own validation dump (``trainer.validation_data_dir``): the paired
 statistics of the report (``report.paired_difference``) compare arms episode by episode.
@@ -43,6 +46,7 @@ __all__ = [
     "chosen_student",
     "diagnose_names",
     "stage_diagnose",
+    "state_evals",
     "EvalResult",
 ]
 
@@ -203,6 +207,21 @@ def stage_eval(cfg: ExperimentConfig, paths: Paths) -> None:
             paths.evals() / "heldout_kl_student.json",
             {"arm": "student", "seed": 0, "step": 0},
         )
+    if cfg.teacher_flat_sft is not None:
+        state_evals(cfg, paths)
+
+
+def state_evals(cfg: ExperimentConfig, paths: Paths) -> None:
+    """Each teacher's F1 acting in the aligned and in the flat state (``heldout.state_f1``) on
+    ``cfg.state_eval_splits``: the flat arm's teacher first (the control is fair only if it acts competently in the
+    state it scores in), then the aligned teacher (what training on flat rows changed)."""
+    from verl_memopd.experiment.flat_sft import teacher_flat_export
+    from verl_memopd.experiment.heldout import state_f1
+
+    teacher = hf_export(paths.sft("teacher"), cfg.teacher_sft.steps)
+    for split in cfg.state_eval_splits:
+        state_f1(paths, "teacher_flat", teacher_flat_export(cfg, paths), cfg.teacher_flat_sft.steps, split)
+        state_f1(paths, "teacher", teacher, cfg.teacher_sft.steps, split)
 
 
 def _diagnosed_arms(cfg: ExperimentConfig, paths: Paths) -> list[tuple[str, Path]]:

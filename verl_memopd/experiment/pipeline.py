@@ -6,6 +6,8 @@
                   (several presets: data/<preset>/, sft_data/<preset>/, mixed into sft_data/)
     sft_student   short SFT of the student (verl SFT trainer)                            sft/student/DONE.json
     sft_teacher   long SFT of the teacher (verl SFT trainer)                             sft/teacher/DONE.json
+    sft_teacher_flat  the flat arm's teacher: the teacher's SFT continued on flat     sft/teacher_flat/DONE.json
+                  (persistent-history) and per-call rows, only with ``teacher_flat_sft`` (``flat_sft.py``)
     eval          val F1 of SFT checkpoints (verl val_only, real agent loop), test F1     eval/*.json
                   of the chosen ones; picks the student checkpoint
     arms          memopd / flat / ppo x seeds of RL from the student, val F1 every K     arms/<arm>_seed<s>/DONE.json
@@ -42,9 +44,20 @@ from verl_memopd.experiment.runner import run_checked
 
 __all__ = ["STAGES", "SHARED_STAGES", "EXPERIMENT_END", "run_pipeline"]
 
-STAGES = ("models", "data", "sft_student", "sft_teacher", "eval", "arms", "diagnose", "report", "sweep")
+STAGES = (
+    "models",
+    "data",
+    "sft_student",
+    "sft_teacher",
+    "sft_teacher_flat",
+    "eval",
+    "arms",
+    "diagnose",
+    "report",
+    "sweep",
+)
 #: the stages whose outputs every preset shares (the others run once per preset, ``Paths.at``)
-SHARED_STAGES = ("models", "data", "sft_student", "sft_teacher")
+SHARED_STAGES = ("models", "data", "sft_student", "sft_teacher", "sft_teacher_flat")
 #: the last stage of a default run: the experiment itself; the sweep after it is asked for by name
 EXPERIMENT_END = "report"
 
@@ -191,6 +204,7 @@ def run_pipeline(
         "data": stage_data,
         "sft_student": lambda c, p: _stage_sft("student", c, p),
         "sft_teacher": lambda c, p: _stage_sft("teacher", c, p),
+        "sft_teacher_flat": _later("flat_sft", "run_teacher_flat"),
         "eval": _later("evaluate", "stage_eval"),
         "arms": _later("arms", "stage_arms"),
         "sweep": _later("arms", "stage_sweep"),

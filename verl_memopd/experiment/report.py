@@ -5,6 +5,8 @@ duplicates. One row per (arm, seed, step, split):
 
     arm      teacher | student (SFT checkpoints; step = SFT step) | memopd | flat | ppo | opd | kd_soft (RL; step =
              RL step) | kd (SFT on the teacher's trajectories) | sft (SFT on the oracle's calls; step = optimizer step)
+             | <model>@<state>_state: a teacher (``teacher``, or ``teacher_flat``, the flat arm's) acting alone in the
+             aligned or the flat state (``heldout.state_f1``, Hugging Face agent, greedy; step = SFT step; f1 only)
     split    val | test: F1/EM of verl's greedy validation (the real agent loop) on that split;
              train: one RL step (f1 = mean F1 of the step's sampled episodes, ``critic/score/mean``);
              heldout: reverse_kl = KL(model || teacher) on the fixed held-out rollouts (``heldout.py``; step 0 =
@@ -64,6 +66,7 @@ __all__ = [
     "sensitivity_lines",
     "diagnostic_lines",
     "call_accuracy_lines",
+    "state_lines",
     "stage_report",
 ]
 
@@ -109,6 +112,32 @@ def _sft_rows(paths: Paths) -> list[Row]:
         r = json.loads(path.read_text())
         rows.append(_row(r["role"], 0, r["step"], r["split"], r["f1"], r["em"], wall_s=r["wall_s"]))
     return sorted(rows, key=lambda r: (r["arm"], r["step"], r["split"]))  # file names sort step 2000 before 500
+
+
+def _state_rows(paths: Paths) -> list[Row]:
+    """The state evals' rows (``eval/state_<model>_<split>.json``): arm ``<model>@<state>_state``, one per state."""
+    rows = []
+    for path in sorted(paths.evals().glob("state_*.json")):
+        if path.name.endswith(".partial.json"):
+            continue  # a state eval under way
+        r = json.loads(path.read_text())
+        for state, f1 in r["f1"].items():
+            rows.append(_row(f"{r['model']}@{state}_state", 0, r["step"], r["split"], f1, wall_s=r["wall_s"]))
+    return rows
+
+
+def state_lines(rows: list[Row]) -> list[str]:
+    """Each teacher's F1 by the state it acts in, per split (the ``@<state>_state`` rows); [] without them."""
+    states = {}
+    for r in rows:
+        model, _, state = r["arm"].partition("@")
+        if state.endswith("_state"):
+            states.setdefault((model, r["split"]), {})[state.removesuffix("_state")] = r["f1"]
+    return [
+        f"{model} ({split}) F1 acting in the "
+        + ", ".join(f"{s} state {_fmt(f1)}" for s, f1 in sorted(by_state.items()))
+        for (model, split), by_state in sorted(states.items())
+    ]
 
 
 def _test_rows(arm: str, seed: int, run_dir: Path) -> list[Row]:
@@ -171,7 +200,7 @@ def collect_rows(cfg: ExperimentConfig, paths: Paths) -> list[Row]:
     """Every row the run folder's outputs give, plus the rows already in the results CSV of each (arm, seed) this run
     folder has nothing for: the run on a fresh machine (``--arms`` / ``--seeds`` of what is left), or a subset of
     arms, keeps what earlier machines committed. To drop a run's rows, delete them from the CSV."""
-    rows = _sft_rows(paths)
+    rows = _sft_rows(paths) + _state_rows(paths)
     for seed in cfg.arms.seeds:
         for arm in cfg.arms.arms:
             run_dir = paths.arm(arm, seed)
@@ -592,6 +621,9 @@ def stage_report(cfg: ExperimentConfig, paths: Paths) -> None:
     handoff = _write_handoff(paths)
     if handoff:
         print("\n".join(handoff))
+    states = state_lines(rows)
+    if states:
+        print("\n".join(states))
     write_episodes(collect_episode_rows(cfg, paths), paths.results / "episodes.csv")
     _write(collect_drift_rows(cfg, paths), paths.results / "drift.csv", DRIFT_COLUMNS)
     print("\n".join(summary_lines(rows, cfg.base_model)), flush=True)

@@ -47,7 +47,6 @@ CPU_SFT_OVERRIDES = (
     "model.use_remove_padding=false",
     "model.enable_gradient_checkpointing=false",
     "data.num_workers=0",
-    "data.max_length=512",
     "data.truncation=error",
     "checkpoint.save_contents=[model,optimizer,extra,hf_model]",
     "trainer.logger=[console]",
@@ -93,8 +92,10 @@ def mix_traces(sources: list[Path], names: list[str], out_dir: Path) -> None:
         tmp.rename(out_dir / f"{split}.parquet")
 
 
-def sft_command(model: Path, sft_data: Path, run_dir: Path, cfg: SftConfig, name: str) -> list[str]:
-    """The torchrun command line of one SFT run (1 process on the cpu platform)."""
+def sft_command(
+    model: Path, sft_data: Path, run_dir: Path, cfg: SftConfig, name: str, overrides: tuple[str, ...] = ()
+) -> list[str]:
+    """The torchrun command line of one SFT run (1 process on the cpu platform); ``overrides`` (Hydra) last."""
     return [
         "torchrun",
         "--standalone",
@@ -108,6 +109,7 @@ def sft_command(model: Path, sft_data: Path, run_dir: Path, cfg: SftConfig, name
         "data.messages_key=messages",
         f"data.train_batch_size={cfg.batch}",
         f"data.micro_batch_size_per_gpu={cfg.batch}",
+        f"data.max_length={cfg.max_length}",
         f"optim.lr={cfg.lr}",
         "optim.lr_scheduler_type=cosine",
         f"optim.lr_warmup_steps={cfg.warmup_steps}",
@@ -120,6 +122,7 @@ def sft_command(model: Path, sft_data: Path, run_dir: Path, cfg: SftConfig, name
         "trainer.project_name=memopd_experiment",
         f"trainer.experiment_name={name}",
         *CPU_SFT_OVERRIDES,
+        *overrides,
     ]
 
 
@@ -160,15 +163,24 @@ def sft_losses(log: str) -> dict[int, dict[str, float]]:
     return {step: losses for step, losses in steps.items() if losses}
 
 
-def run_sft(model: Path, sft_data: Path, run_dir: Path, cfg: SftConfig, name: str, env: dict[str, str]) -> Path:
-    """Run (or resume) one SFT; write ``run_dir/DONE.json`` and return the final HF export.
+def run_sft(
+    model: Path,
+    sft_data: Path,
+    run_dir: Path,
+    cfg: SftConfig,
+    name: str,
+    env: dict[str, str],
+    overrides: tuple[str, ...] = (),
+) -> Path:
+    """Run (or resume) one SFT; write ``run_dir/DONE.json`` and return the final HF export. ``overrides``: Hydra
+    overrides after the command's own (:func:`sft_command`).
 
     Not time-bounded: one torchrun process without Ray, whose step time depends on the machine's load
     (0.8-30 s/step measured here); it checkpoints every ``save_every`` steps, so stopping it loses little.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     earlier = continuable_sft(run_dir, cfg, name)
-    wall = run_logged(sft_command(model, sft_data, run_dir, cfg, name), run_dir / "sft.log", env, None)
+    wall = run_logged(sft_command(model, sft_data, run_dir, cfg, name, overrides), run_dir / "sft.log", env, None)
     if cfg.steps not in saved_steps(run_dir):
         raise RuntimeError(
             f"{name}: verl's SFT trainer ended without a checkpoint at step {cfg.steps}; see {run_dir / 'sft.log'}"
