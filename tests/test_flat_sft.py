@@ -416,3 +416,23 @@ def test_the_rows_follow_the_arms_separator_or_refuse(tok):
     cfg = replace(full_config(), arm_overrides=("memopd.teacher.flat_separator_ids=[5]",))
     with pytest.raises(ValueError, match="an arm override sets memopd.teacher.flat_separator_ids"):
         _separator(cfg, tok)
+
+
+@pytest.mark.slow
+def test_verls_sft_trainer_trains_the_flat_teacher_on_the_rows(stage_paths):
+    """The stage end to end (torchrun + verl's SFT trainer on the cpu platform, tiny teacher, 2 steps): it trains on
+    the token rows through ``data.custom_cls``, validates, exports, and the export is another model."""
+    from transformers import AutoModelForCausalLM
+
+    from verl_memopd.experiment.flat_sft import run_teacher_flat
+    from verl_memopd.experiment.sft import finished_sft
+
+    paths, teacher = stage_paths
+    cfg = _flat_cfg()
+    hf = run_teacher_flat(cfg, paths)
+    done = finished_sft(paths.sft("teacher_flat"))
+    assert done["steps"] == 2 and Path(done["hf"]) == hf and "val/loss" in done["losses"]["2"]
+    assert all(0.0 < done["losses"][s]["train/loss"] < 50.0 for s in ("1", "2"))
+    before, after = (AutoModelForCausalLM.from_pretrained(p).state_dict() for p in (teacher, hf))
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert run_teacher_flat(cfg, paths) == hf  # done: not run again

@@ -162,8 +162,9 @@ def arm_heldout_kl(
 def state_f1(paths: Paths, name: str, model_dir: Path, step: int, split: str) -> dict:
     """``eval/state_<name>_<split>.json`` (cached): the model ``model_dir`` (``name`` at SFT ``step``) acting alone,
     greedy, on every episode of ``split`` in each state of ``hf_agent.STATES``: ``{"f1": {state: mean F1},
-    "episodes": {state: [F1 per episode, in the split's order]}, "separator": [...], ...}``. Each state is saved as
-    it finishes (``.partial.json``), so a stopped run resumes at the next one."""
+    "episodes": {state: [F1 per episode, in the split's order]}, "separator": [...], "wall_s": the last attempt's
+    seconds, ...}``. Each state is saved as it finishes (``.partial.json``), so a stopped run resumes at the next
+    one."""
     from verl_memopd.experiment.hf_agent import STATES, agent_calls, load_model
     from verl_memopd.experiment.launch import AGENT_TOKENS
     from verl_memopd.trainer.teacher import flat_separator_ids
