@@ -116,12 +116,12 @@ def test_arms_validate_checkpoint_and_audit_on_their_own_schedules(tmp_path):
     from verl_memopd.experiment.config import ArmsConfig, smollm2_horizon_config
 
     cfg, paths = smollm2_horizon_config(), Paths(tmp_path / "runs", tmp_path / "results")
-    assert (cfg.arms.val_every, cfg.arms.checkpoint_every, cfg.arms.val_before_train) == (10, 5, False)
-    assert list(cfg.arms.val_steps()) == [10] and list(cfg.arms.checkpoint_steps()) == [5, 10]
+    assert (cfg.arms.val_every, cfg.arms.checkpoint_every, cfg.arms.val_before_train) == (10, 2, False)
+    assert list(cfg.arms.val_steps()) == [10] and list(cfg.arms.checkpoint_steps()) == [2, 4, 6, 8, 10]
     cmd = arm_command(cfg, paths, "opd", 0, "S", "T")
-    for item in ("trainer.test_freq=10", "trainer.save_freq=5", "trainer.val_before_train=false"):
+    for item in ("trainer.test_freq=10", "trainer.save_freq=2", "trainer.val_before_train=false"):
         assert item in cmd
-    assert "memopd.audit.every_n_steps=5" in cmd  # an audit at every checkpoint, not only at the val step
+    assert "memopd.audit.every_n_steps=10" in cmd  # the audit runs with the validation, not at every checkpoint
     default = replace(cfg.arms, save_every=None, val_before_train=True)
     assert default.checkpoint_every == default.val_every  # unset: checkpoints at the val steps, as before
     assert "trainer.val_before_train=true" in arm_command(replace(cfg, arms=default), paths, "opd", 0, "S", "T")

@@ -80,7 +80,7 @@ def arm_command(
         f"trainer.val_before_train={str(a.val_before_train).lower()}",
         "trainer.resume_mode=auto",
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
-        f"memopd.audit.every_n_steps={a.checkpoint_every}",
+        f"memopd.audit.every_n_steps={a.val_every}",
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
         f"trainer.experiment_name={run_dir.name}",
         *cfg.arm_overrides,
@@ -171,7 +171,7 @@ def run_arm(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, t
 
         exports = {
             step: fp32_export(run_dir / "checkpoints" / f"global_step_{step}" / "actor" / "huggingface")
-            for step in a.checkpoint_steps()
+            for step in a.val_steps()
         }
         arm_heldout_kl(cfg, paths, arm, seed, exports, teacher)
     if cfg.final_evals:

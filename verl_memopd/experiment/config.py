@@ -94,8 +94,8 @@ class ArmsConfig:
 
     ``lr`` is the actor's and the critic's (verl's critic default, 1e-5, leaves the random value head near
     its start for the whole run). verl validates on val every ``val_every`` steps (and before step 1 if
-    ``val_before_train``); a checkpoint, an RCE audit step and the held-out KL every ``save_every`` steps (None:
-    ``val_every``), so a run cut off resumes from its latest checkpoint."""
+    ``val_before_train``), with an RCE audit step and the held-out KL at the same steps; a checkpoint every
+    ``save_every`` steps (None: ``val_every``), so a run cut off resumes from its latest checkpoint."""
 
     steps: int
     val_every: int
@@ -408,14 +408,19 @@ def smollm2_horizon_config() -> ExperimentConfig:
         # the summary line's arms (horizon.SUMMARY_ARMS); PPO alone is settled at T=3 (results/cpu_smollm2). Val
         # once, after the last step: verl's val is greedy, so a val before training repeats the same start episodes
         # in every arm and seed, and a mid-run one costs ~9 min at h12 (32 episodes) for a curve the summary does not
-        # use; checkpoints (and the audit, the held-out KL) stay every 5 steps, so a cut-off run loses <= 5 steps
+        # use (the audit and the held-out KL run at the val step too). A checkpoint every 2 steps: an arm at h12 takes
+        # longer than a 3-hour session (a step is ~4x T=3's ~5 min), so a cut-off run must lose little
         arms=replace(
             base.arms,
             arms=("memopd", "opd", "kd_soft", "kd", "sft", "flat"),
             val_every=base.arms.steps,
-            save_every=5,
+            save_every=2,
             val_before_train=False,
         ),
+        # 2 torch threads per Ray worker (python -m verl_memopd.bench threads --model smollm2, T=3 shape, measured
+        # next to other jobs, one steady step: whole step 1.12x, forward passes 1.5x, updates 1.14-1.27x, vLLM
+        # generation 0.77x; docs/measurements.md). Every arm of this study runs with it (matched)
+        worker_threads=2,
         # the flat arm's own teacher (issue 38: a fair persistent-history control), from the final teacher: 40 steps x
         # 8 rows, ~2.4 of them flat (experiment/flat_sft.py; ~490 tokens a row over the 3 presets, h12's flat rows
         # ~1.85k, the longest 2274 of 512 episodes). step_s: the teacher SFT's ~90 tokens/s (1.75k-token steps in

@@ -204,7 +204,7 @@ def run_sft_arm(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, studen
     if cfg.heldout:
         from verl_memopd.experiment.heldout import arm_heldout_kl
 
-        arm_heldout_kl(cfg, paths, arm, seed, saved, teacher)
+        arm_heldout_kl(cfg, paths, arm, seed, {s: saved[s] for s in cfg.arms.val_steps()}, teacher)
     done = {"wall_s": round(wall, 1), "final_actor": str(final), "attempts": attempts(run_dir / "sft" / "sft.log")}
     if cfg.final_evals:
         done["test_f1"] = eval_model(
