@@ -218,7 +218,7 @@ def state_evals(cfg: ExperimentConfig, paths: Paths) -> None:
     from verl_memopd.experiment.flat_sft import teacher_flat_export
     from verl_memopd.experiment.heldout import state_f1
 
-    teacher = hf_export(paths.sft("teacher"), cfg.teacher_sft.steps)
+    teacher = start_models(cfg, paths)[1]
     for split in cfg.state_eval_splits:
         state_f1(paths, "teacher_flat", teacher_flat_export(cfg, paths), cfg.teacher_flat_sft.steps, split)
         state_f1(paths, "teacher", teacher, cfg.teacher_sft.steps, split)

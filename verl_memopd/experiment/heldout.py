@@ -48,10 +48,6 @@ def _split_rows(paths: Paths, split: str) -> list[dict]:
     return [frame.iloc[i].to_dict() for i in range(len(frame))]
 
 
-def _val_rows(paths: Paths) -> list[dict]:
-    return _split_rows(paths, "val")
-
-
 def teacher_handoff(cfg: ExperimentConfig, paths: Paths, student: Path, teacher: Path) -> dict:
     """``eval/handoff.json``: ``{"f1_by_switch": {t: F1}, ...}`` (cached). Each switch point is saved as it
     finishes (``eval/handoff.partial.json``), so a stopped run resumes at the next one (a long horizon has many)."""
@@ -62,7 +58,7 @@ def teacher_handoff(cfg: ExperimentConfig, paths: Paths, student: Path, teacher:
     if out.is_file():
         return json.loads(out.read_text())
     started = time.monotonic()
-    rows = _val_rows(paths)
+    rows = _split_rows(paths, "val")
     switches = range(len(rows[0]["extra_info"]["chunks"]) + 2)
     f1 = {int(t): v for t, v in json.loads(partial.read_text()).items()} if partial.is_file() else {}
     print(
@@ -100,7 +96,9 @@ def heldout_rollouts(cfg: ExperimentConfig, paths: Paths, student: Path):
     out = paths.evals() / "heldout_rollouts.json"
     if not out.is_file():
         model, tokenizer = load_model(student)
-        episodes = agent_calls(_val_rows(paths), [model], tokenizer, sample=True, seed=HELDOUT_SEED, **AGENT_TOKENS)
+        episodes = agent_calls(
+            _split_rows(paths, "val"), [model], tokenizer, sample=True, seed=HELDOUT_SEED, **AGENT_TOKENS
+        )
         calls = [asdict(c) for e in episodes for c in e.calls]
         out.write_text(
             json.dumps(
