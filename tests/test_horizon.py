@@ -168,6 +168,26 @@ def test_the_replay_arm_composes_with_the_recipe():
     from verl_memopd.experiment.arms import check_arm_overrides
 
     check_arm_overrides(("kd_soft", "opd"))
+    check_arm_overrides(("kd_soft", "opd"), critic_free=("kd_soft", "opd"))  # critic.enable, adv_estimator exist
+
+
+def test_the_arms_without_a_ppo_term_run_without_a_critic(tmp_path):
+    from dataclasses import replace
+
+    from verl_memopd.experiment.arms import arm_command
+    from verl_memopd.experiment.config import CRITIC_FREE_OVERRIDES, Paths, smollm2_config, smollm2_horizon_config
+
+    cfg, paths = smollm2_horizon_config(), Paths(tmp_path / "runs", tmp_path / "results")
+    assert cfg.arms.critic_free == ("opd", "kd_soft")
+    for arm in ("opd", "kd_soft", "memopd"):  # (the flat arm's command needs its trained teacher)
+        cmd = arm_command(cfg, paths, arm, 0, "S", "T")
+        assert all((o in cmd) == (arm in cfg.arms.critic_free) for o in CRITIC_FREE_OVERRIDES), arm
+    committed = smollm2_config()  # the 3-call study's committed OPD runs kept their critic: they stay reproducible
+    assert not any(o in arm_command(committed, paths, "opd", 0, "S", "T") for o in CRITIC_FREE_OVERRIDES)
+    with pytest.raises(ValueError, match=r"critic_free: \['memopd'\] are not arms of this config without a PPO"):
+        replace(cfg.arms, critic_free=("opd", "memopd"))
+    with pytest.raises(ValueError, match=r"critic_free: \['opd'\]"):
+        replace(cfg.arms, arms=("memopd",), critic_free=("opd",))
 
 
 def test_replay_and_oracle_rows_are_the_arms_episodes(tmp_path):

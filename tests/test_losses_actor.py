@@ -348,6 +348,30 @@ def test_ppo_coef_scales_only_the_ppo_term(ppo_coef):
     assert abs(float(ppo.detach())) > 1e-3  # the PPO term is not zero on this batch: the check above can fail
 
 
+def test_without_a_ppo_term_the_advantage_never_reaches_the_gradient():
+    """What lets the ppo_coef=0 arms drop the critic (experiment ``ArmsConfig.critic_free``): GAE's or GRPO's
+    advantages, or any others, give the same actor loss and the same gradients, bit for bit."""
+    params = _params()
+    data = _batch(params)
+    opd = OPDLossConfig(vocab_size=V, coef=COEF)
+    results = []
+    for scale in (1.0, -7.0):
+        batch = data.clone()
+        batch["advantages"] = data["advantages"] * scale + 0.5
+        loss, _ = memopd_actor_loss(_actor_config(), opd, _model_output(params, batch), batch, ppo_coef=0.0)
+        loss.backward()
+        results.append((loss.detach(), {k: params[k].grad.clone() for k in ("emb", "head")}))
+        ppo, _ = ppo_loss(_actor_config(), _model_output(params, batch), batch)
+        assert abs(float(ppo.detach())) > 1e-3  # the PPO term itself differs: the check below can fail
+        params["emb"].grad = params["head"].grad = None
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b)
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+    with_ppo = [memopd_actor_loss(_actor_config(), opd, _model_output(params, b), b)[0] for b in (data, batch)]
+    assert not torch.equal(with_ppo[0].detach(), with_ppo[1].detach())  # with the PPO term they would differ
+
+
 def test_term_grad_norms_equal_separate_backward_passes():
     params = _params()
     data = _batch(params)

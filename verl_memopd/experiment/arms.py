@@ -21,7 +21,15 @@ import re
 import time
 from pathlib import Path
 
-from verl_memopd.experiment.config import ARMS, REPLAY_ARMS, SFT_ARMS, ExperimentConfig, Paths, Variant
+from verl_memopd.experiment.config import (
+    ARMS,
+    CRITIC_FREE_OVERRIDES,
+    REPLAY_ARMS,
+    SFT_ARMS,
+    ExperimentConfig,
+    Paths,
+    Variant,
+)
 from verl_memopd.experiment.evaluate import eval_model
 from verl_memopd.experiment.launch import main_ppo
 from verl_memopd.experiment.launching import cpu_env, prune_checkpoints
@@ -85,22 +93,28 @@ def arm_command(
         f"trainer.experiment_name={run_dir.name}",
         *cfg.arm_overrides,
         *ARMS[arm],
+        *(CRITIC_FREE_OVERRIDES if arm in a.critic_free else ()),
         *(variant.overrides if variant is not None else ()),
     )
 
 
-def check_arm_overrides(arms: tuple[str, ...], variants: tuple[tuple[Variant, str], ...] = ()) -> None:
+def check_arm_overrides(
+    arms: tuple[str, ...], variants: tuple[tuple[Variant, str], ...] = (), critic_free: tuple[str, ...] = ()
+) -> None:
     """Compose every arm's config (Hydra, no run) so a key the recipe lacks fails before any arm starts.
 
     E.g. ``memopd.teacher.state`` (the persistent-history control) on a recipe without it: Hydra's
     "Could not override" error names the key. ``variants``: (variant, arm) pairs of the sweep, composed
-    with the variant's overrides after the arm's.
+    with the variant's overrides after the arm's; an arm of ``critic_free`` with :data:`CRITIC_FREE_OVERRIDES`.
     """
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    for arm, overrides in [(a, ARMS[a]) for a in arms] + [
-        (f"{a} ({v.name})", ARMS[a] + v.overrides) for v, a in variants
+    def own(arm: str) -> tuple[str, ...]:
+        return ARMS[arm] + (CRITIC_FREE_OVERRIDES if arm in critic_free else ())
+
+    for arm, overrides in [(a, own(a)) for a in arms] + [
+        (f"{a} ({v.name})", own(a) + v.overrides) for v, a in variants
     ]:
         GlobalHydra.instance().clear()
         with initialize_config_module(config_module="verl.trainer.config", version_base=None):
@@ -190,7 +204,7 @@ def run_arm(cfg: ExperimentConfig, paths: Paths, arm: str, seed: int, student, t
 def stage_arms(cfg: ExperimentConfig, paths: Paths) -> None:
     from verl_memopd.experiment.kd import run_sft_arm
 
-    check_arm_overrides(tuple(a for a in cfg.arms.arms if a not in SFT_ARMS))
+    check_arm_overrides(tuple(a for a in cfg.arms.arms if a not in SFT_ARMS), critic_free=cfg.arms.critic_free)
     student, teacher = start_models(cfg, paths)
     from verl_memopd.experiment.report import stage_report
 
@@ -212,7 +226,7 @@ def stage_sweep(cfg: ExperimentConfig, paths: Paths) -> None:
     if cfg.sweep is None:
         return print("[experiment] sweep: none configured", flush=True)
     runs = cfg.sweep.runs()
-    check_arm_overrides((), tuple(runs))
+    check_arm_overrides((), tuple(runs), critic_free=cfg.arms.critic_free)
     student, teacher = start_models(cfg, paths)
     seed = cfg.sweep.seed
     for variant, arm in runs:

@@ -35,7 +35,8 @@ ARMS: dict[str, tuple[str, ...]] = {
     "memopd": ("memopd.teacher.state=aligned", "memopd.layout=packed"),
     "flat": ("memopd.teacher.state=flat", "memopd.layout=packed"),
     "ppo": ("memopd.distill.coef=0",),
-    # on-policy distillation alone: the aligned teacher's reverse KL, no PPO term (the critic still runs, matched)
+    # on-policy distillation alone: the aligned teacher's reverse KL, no PPO term (the critic runs unless the
+    # experiment lists the arm in ArmsConfig.critic_free)
     "opd": ("memopd.teacher.state=aligned", "memopd.layout=packed", "memopd.ppo_coef=0"),
     # OPD's off-policy twin: the same trainer and loss on the teacher's own greedy trajectories of the same episodes,
     # replayed by memopd_replay_agent (agent/replay.py) in verl's order of them (data.shuffle=false on a file already
@@ -56,6 +57,12 @@ ARMS: dict[str, tuple[str, ...]] = {
 SFT_ARMS = {"kd": "the teacher's greedy trajectories", "sft": "the oracle's calls"}
 #: the RL arms whose training episodes are replayed trajectories (their train file: ``kd.replay_file``)
 REPLAY_ARMS = ("kd_soft",)
+#: what an arm of ``ArmsConfig.critic_free`` adds: no critic worker (verl's ``critic.enable``) and an advantage
+#: estimator that needs none. Only for arms without a PPO term (``memopd.ppo_coef=0``): their actor loss never
+#: reads the advantage (``losses.actor.memopd_actor_loss`` multiplies the PPO term by 0), so dropping the critic
+#: changes the step's cost (~1/3 of an h12 step: values + update_critic), not the actor's update. GRPO over one
+#: sample per episode is finite (verl: a group of one has mean 0, std 1), so the unused advantage stays finite
+CRITIC_FREE_OVERRIDES = ("critic.enable=false", "algorithm.adv_estimator=grpo")
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,8 @@ class ArmsConfig:
     ``lr`` is the actor's and the critic's (verl's critic default, 1e-5, leaves the random value head near
     its start for the whole run). verl validates on val every ``val_every`` steps (and before step 1 if
     ``val_before_train``), with an RCE audit step and the held-out KL at the same steps; a checkpoint every
-    ``save_every`` steps (None: ``val_every``), so a run cut off resumes from its latest checkpoint."""
+    ``save_every`` steps (None: ``val_every``), so a run cut off resumes from its latest checkpoint.
+    ``critic_free``: arms without a PPO term that run without a critic (:data:`CRITIC_FREE_OVERRIDES`)."""
 
     steps: int
     val_every: int
@@ -106,11 +114,18 @@ class ArmsConfig:
     arms: tuple[str, ...] = tuple(ARMS)
     save_every: int | None = None
     val_before_train: bool = True
+    critic_free: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         unknown = [a for a in self.arms if a not in ARMS]
         if unknown:
             raise ValueError(f"ArmsConfig.arms: unknown {unknown}; valid: {sorted(ARMS)}")
+        with_ppo = [a for a in self.critic_free if a not in self.arms or "memopd.ppo_coef=0" not in ARMS[a]]
+        if with_ppo:
+            raise ValueError(
+                f"ArmsConfig.critic_free: {with_ppo} are not arms of this config without a PPO term "
+                "(memopd.ppo_coef=0); only those may drop the critic (CRITIC_FREE_OVERRIDES)"
+            )
         for name in ("val_every", "checkpoint_every"):
             every = getattr(self, name)
             if every < 1 or self.steps % every:
@@ -416,6 +431,8 @@ def smollm2_horizon_config() -> ExperimentConfig:
             val_every=base.arms.steps,
             save_every=2,
             val_before_train=False,
+            # the issue's "OPD alone ... no critic" and its off-policy twin: the critic is unused by their loss
+            critic_free=("opd", "kd_soft"),
         ),
         # 2 torch threads per Ray worker (python -m verl_memopd.bench threads --model smollm2, T=3 shape, measured
         # next to other jobs, one steady step: whole step 1.12x, forward passes 1.5x, updates 1.14-1.27x, vLLM
