@@ -405,6 +405,7 @@ def test_a_finished_sft_run_is_extended_not_redone(tmp_path, monkeypatch):
         ran.append(steps)
         (run_dir / "checkpoints" / f"global_step_{steps}" / "huggingface").mkdir(parents=True)
         (run_dir / "checkpoints" / f"global_step_{steps}" / "huggingface" / "config.json").write_text("{}")
+        (run_dir / "checkpoints" / f"global_step_{steps}" / "huggingface" / "model.safetensors").write_bytes(b"w")
         with open(log, "a") as f:
             f.write(f"step:{steps} - train/loss:{1 / steps}\n")
         return 10.0
@@ -421,6 +422,35 @@ def test_a_finished_sft_run_is_extended_not_redone(tmp_path, monkeypatch):
     assert json.loads((run_dir / "checkpoints/global_step_8/huggingface/config.json").read_text())["dtype"] == "float32"
     with pytest.raises(ValueError, match="finished 8 steps, more than the 4 asked for"):
         sft.run_sft(tmp_path / "model", tmp_path / "data", run_dir, first, "t", {})
+
+
+def test_the_results_name_each_sft_model_by_its_weights(tmp_path, capsys):
+    import hashlib
+
+    from verl_memopd.experiment import sft
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors weights"):
+        sft.weights_sha256(hf)
+    (hf / "model-00002.safetensors").write_bytes(b"BB")
+    (hf / "model-00001.safetensors").write_bytes(b"A")
+    assert sft.weights_sha256(hf) == hashlib.sha256(b"ABB").hexdigest()  # every shard, in name order
+    results = tmp_path / "results"
+    done = {"steps": 300, "hf": str(hf), "wall_s": 6637.04, "losses": {"300": {"train/loss": 0.05}}}
+    assert sft.record_sft_model(results, "teacher", done)  # no weights_sha256 in an older DONE.json: computed
+    assert sft.record_sft_model(results, "teacher", done)  # the same model again: one row
+    assert sft.record_sft_model(results, "student", {**done, "steps": 20, "weights_sha256": "s" * 64})
+    rebuilt = {**done, "weights_sha256": "f" * 64}
+    assert not sft.record_sft_model(results, "teacher", rebuilt)  # another model, same role and steps: said
+    assert "this build (sha256 ffffffffffff) is NOT the model of" in capsys.readouterr().out
+    rows = (results / "sft_models.csv").read_text().splitlines()
+    assert rows[0] == ",".join(sft.SFT_MODEL_COLUMNS)
+    assert rows[1:] == [
+        f"teacher,300,{hashlib.sha256(b'ABB').hexdigest()},0.05,6637.0",
+        f"student,20,{'s' * 64},,6637.0",  # no train loss logged at its step
+        f"teacher,300,{'f' * 64},0.05,6637.0",  # both builds kept
+    ]
 
 
 def test_a_longer_finished_sft_run_is_not_taken_for_a_shorter_config(tmp_path):

@@ -285,11 +285,14 @@ def test_the_stage_builds_the_rows_once_and_trains_from_the_final_teacher(stage_
 
     def fake_run_sft(model, data, run_dir, config, name, env, overrides=()):
         runs.append((model, data, run_dir, config, name, overrides))
-        (run_dir / "DONE.json").write_text(json.dumps({"steps": config.steps, "hf": "H", "wall_s": 1.0}))
+        (run_dir / "DONE.json").write_text(
+            json.dumps({"steps": config.steps, "hf": "H", "wall_s": 1.0, "weights_sha256": "0" * 64})
+        )
         return Path("H")
 
     monkeypatch.setattr(sft, "run_sft", fake_run_sft)
     assert flat_sft.run_teacher_flat(cfg, paths) == Path("H")
+    assert f"teacher_flat,{cfg.teacher_flat_sft.steps},{'0' * 64}," in (paths.results / "sft_models.csv").read_text()
     ((model, data, run_dir, config, name, overrides),) = runs
     assert (model, data, run_dir, config, name) == (
         teacher,

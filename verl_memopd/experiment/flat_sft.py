@@ -342,7 +342,7 @@ def run_teacher_flat(cfg, paths) -> Path | None:
     """The ``sft_teacher_flat`` stage: None when the experiment has none (``teacher_flat_sft`` None), else the final
     export, after building the rows and running (resuming, extending) verl's SFT from the final aligned teacher."""
     from verl_memopd.experiment.launching import cpu_env
-    from verl_memopd.experiment.sft import continuable_sft, hf_export, run_sft
+    from verl_memopd.experiment.sft import continuable_sft, finished_sft, hf_export, record_sft_model, run_sft
 
     sft = cfg.teacher_flat_sft
     if sft is None:
@@ -351,6 +351,7 @@ def run_teacher_flat(cfg, paths) -> Path | None:
     run_dir, name = paths.sft("teacher_flat"), "sft_teacher_flat"
     done = continuable_sft(run_dir, sft, name)
     if done is not None and done["steps"] == sft.steps:
+        record_sft_model(paths.results, "teacher_flat", done)
         print(f"[experiment] {name}: done ({done['hf']})", flush=True)
         return Path(done["hf"])
     teacher = hf_export(paths.sft("teacher"), cfg.teacher_sft.steps)
@@ -367,5 +368,6 @@ def run_teacher_flat(cfg, paths) -> Path | None:
     )
     env = cpu_env(paths.root, threads=cfg.worker_threads)
     hf = run_sft(teacher, run_dir / "data", run_dir, sft, name, env, overrides=_stage_overrides(sft.max_length))
+    record_sft_model(paths.results, "teacher_flat", finished_sft(run_dir))
     print(f"[experiment] {name}: done -> {hf}", flush=True)
     return hf

@@ -132,12 +132,13 @@ def stage_data(cfg: ExperimentConfig, paths: Paths) -> None:
 
 
 def _stage_sft(role: str, cfg: ExperimentConfig, paths: Paths) -> None:
-    from verl_memopd.experiment.sft import continuable_sft, run_sft
+    from verl_memopd.experiment.sft import continuable_sft, finished_sft, record_sft_model, run_sft
 
     run_dir = paths.sft(role)
     sft = cfg.teacher_sft if role == "teacher" else cfg.student_sft
     done = continuable_sft(run_dir, sft, f"sft_{role}")
     if done is not None and done["steps"] == sft.steps:
+        record_sft_model(paths.results, role, done)
         return _say(f"sft_{role}: done ({done['hf']})")
     start = 0 if done is None else done["steps"]
     _say(
@@ -153,6 +154,7 @@ def _stage_sft(role: str, cfg: ExperimentConfig, paths: Paths) -> None:
         f"sft_{role}",
         cpu_env(paths.root, threads=cfg.worker_threads),
     )
+    record_sft_model(paths.results, role, finished_sft(run_dir))
     _say(f"sft_{role}: done -> {hf}")
 
 

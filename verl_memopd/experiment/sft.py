@@ -15,6 +15,8 @@ longer cosine schedule (a warm restart: not the schedule a fresh run of that len
 
 from __future__ import annotations
 
+import csv
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -163,6 +165,20 @@ def sft_losses(log: str) -> dict[int, dict[str, float]]:
     return {step: losses for step, losses in steps.items() if losses}
 
 
+def weights_sha256(hf: Path) -> str:
+    """sha256 over the bytes of the ``*.safetensors`` files of the Hugging Face folder ``hf``, in name order: the
+    fingerprint that tells whether a rebuilt model (a fresh machine reruns the SFTs) is the one measured before."""
+    files = sorted(hf.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{hf}: no *.safetensors weights to fingerprint")
+    digest = hashlib.sha256()
+    for path in files:
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
 def run_sft(
     model: Path,
     sft_data: Path,
@@ -187,15 +203,60 @@ def run_sft(
         )
     hf = hf_export(run_dir, cfg.steps)
     losses = sft_losses((run_dir / "sft.log").read_text(errors="replace"))
-    done = {"steps": cfg.steps, "hf": str(hf), "wall_s": wall + (earlier or {}).get("wall_s", 0.0), "losses": losses}
+    done = {
+        "steps": cfg.steps,
+        "hf": str(hf),
+        "wall_s": wall + (earlier or {}).get("wall_s", 0.0),
+        "weights_sha256": weights_sha256(hf),
+        "losses": losses,
+    }
     if earlier is not None:
         done["extends"] = {k: v for k, v in earlier.items() if k != "losses"}
     (run_dir / "DONE.json").write_text(json.dumps(done, indent=1) + "\n")
     return hf
 
 
+#: ``sft_models.csv`` in the experiment's results folder: one row per distinct model an SFT stage built
+SFT_MODEL_COLUMNS = ("role", "steps", "weights_sha256", "final_train_loss", "wall_s")
+
+
+def record_sft_model(results: Path, role: str, done: dict) -> bool:
+    """Add the finished SFT ``done`` (its ``DONE.json``) to ``results/sft_models.csv`` unless the same model is
+    there. Returns False (and says so) when the file already names another model for the same role and steps: the
+    results measured before came from that one, so they are not this model's until measured again."""
+    path = results / "sft_models.csv"
+    rows = list(csv.DictReader(path.open())) if path.is_file() else []
+    sha = done.get("weights_sha256") or weights_sha256(Path(done["hf"]))
+    same = [r for r in rows if r["role"] == role and int(r["steps"]) == done["steps"]]
+    if any(r["weights_sha256"] == sha for r in same):
+        return True
+    loss = done.get("losses", {}).get(str(done["steps"]), {}).get("train/loss")
+    rows.append(
+        {
+            "role": role,
+            "steps": done["steps"],
+            "weights_sha256": sha,
+            "final_train_loss": loss,
+            "wall_s": round(done["wall_s"], 1),
+        }
+    )
+    results.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, SFT_MODEL_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    if same:
+        print(
+            f"[experiment] sft_{role}: this build (sha256 {sha[:12]}) is NOT the model of {path} "
+            f"({', '.join(r['weights_sha256'][:12] for r in same)}): results measured before are that model's",
+            flush=True,
+        )
+    return not same
+
+
 def finished_sft(run_dir: Path) -> dict | None:
-    """The ``DONE.json`` record of a finished SFT run (steps, hf, wall_s, losses[, extends]), or None."""
+    """The ``DONE.json`` record of a finished SFT run (steps, hf, wall_s, weights_sha256, losses[, extends]), or
+    None."""
     done = run_dir / "DONE.json"
     return json.loads(done.read_text()) if done.is_file() else None
 
