@@ -206,6 +206,10 @@ class MemopdMixin:
         return restore_layout(batch, layout, self.memopd.share_prefix_across_group, self.memopd.distill.teacher_mask)
 
     def _compute_old_log_prob(self, batch, metrics):
+        """verl's old-log-prob stage, extended: restore the layout, (audit steps) the actor's recompute and the RCE
+        check, then the teacher pass. verl 0.9.1 times the whole call as ``timing_s/old_log_prob``, so that figure
+        includes ``timing_s/memopd_layout`` and the teacher's own timer even in bypass mode, where the actor's
+        forward pass is skipped (an h12 step: old_log_prob ~36 s ~= the teacher pass)."""
         with marked_timer("memopd_layout", self.timing_raw, color="white"):
             metrics.update(self._restore_layout(batch, self.memopd.layout))
         audit = self.memopd.audits_at(self.global_steps)
