@@ -248,3 +248,22 @@ def test_an_eval_keeps_per_episode_scores_that_average_to_its_f1(tmp_path, tiny_
     assert len(episodes) == cfg.n_val and len({e["input_sha"] for e in episodes}) == cfg.n_val
     assert sum(e["f1"] for e in episodes) / len(episodes) == pytest.approx(result["f1"], abs=1e-6)
     assert json.loads(out.read_text())["episodes"] == episodes
+
+
+def test_the_report_says_whether_a_rebuild_reproduces_the_committed_episodes():
+    from verl_memopd.experiment.report import reproduction_lines
+
+    def rows(arm, f1s):
+        return [
+            {"arm": arm, "seed": 0, "episode": i, "f1": f, "em": f, "input_sha": f"s{i}"} for i, f in enumerate(f1s)
+        ]
+
+    committed = rows("student", [0.5, 0.0, 1.0]) + rows("teacher", [1.0, 1.0, 0.0]) + rows("opd", [1.0, 0.0, 0.0])
+    committed = [{**r, "seed": str(r["seed"]), "episode": str(r["episode"])} for r in committed]  # as read from csv
+    here = rows("student", [0.5, 0.0, 1.0]) + rows("teacher", [1.0, 0.5, 0.0]) + rows("memopd", [1.0, 1.0, 1.0])
+    assert reproduction_lines(here, committed) == [
+        "student seed 0: the test episodes reproduce the committed episodes.csv (3 of 3 episodes equal; F1 0.5000 "
+        "here, 0.5000 committed)",
+        "teacher seed 0: the test episodes differ from the committed episodes.csv (2 of 3 episodes equal; F1 0.5000 "
+        "here, 0.6667 committed)",
+    ]  # only (arm, seed) pairs on both sides

@@ -269,7 +269,36 @@ def collect_episode_rows(cfg: ExperimentConfig, paths: Paths) -> list[dict]:
             rows += _eval_episodes(paths.arm(arm, seed) / "test.json", arm, seed)
     produced = {(r["arm"], r["seed"]) for r in rows}
     committed = read_episodes(paths.results / "episodes.csv") if (paths.results / "episodes.csv").is_file() else []
+    for line in reproduction_lines(rows, committed):
+        print(f"[experiment] report: {line}", flush=True)
     return rows + [r for r in committed if (r["arm"], r["seed"]) not in produced]
+
+
+def reproduction_lines(rows: list[dict], committed: list[dict]) -> list[str]:
+    """For each (arm, seed) both measured here and committed: whether this folder's test episodes reproduce the
+    committed ones (same episodes, F1 and EM, episode by episode), e.g. after a fresh machine rebuilt the models.
+    The committed rows are replaced by the new ones either way; this says whether that changed anything."""
+
+    def keyed(rs: list[dict]) -> dict[tuple, list[tuple]]:
+        out: dict[tuple, list[tuple]] = {}
+        for r in rs:
+            out.setdefault((r["arm"], int(r["seed"])), []).append(
+                (int(r["episode"]), r["input_sha"], round(float(r["f1"]), 6), round(float(r["em"]), 6))
+            )
+        return out
+
+    new, old = keyed(rows), keyed(committed)
+    lines = []
+    for key in sorted(new.keys() & old.keys()):
+        a, b = sorted(new[key]), sorted(old[key])
+        same = sum(x == y for x, y in zip(a, b))
+        f1_new, f1_old = (sum(e[2] for e in es) / len(es) for es in (a, b))
+        verdict = "reproduce" if a == b else "differ from"
+        lines.append(
+            f"{key[0]} seed {key[1]}: the test episodes {verdict} the committed episodes.csv ({same} of "
+            f"{len(b)} episodes equal; F1 {f1_new:.4f} here, {f1_old:.4f} committed)"
+        )
+    return lines
 
 
 def _drift_rows(path: Path, arm: str, seed: int) -> list[dict]:
