@@ -756,3 +756,19 @@ def test_handoff_saves_each_switch_point_and_resumes_after_a_stop(tmp_path, monk
     result = heldout.teacher_handoff(full_config(), paths, Path("s"), Path("t"))
     assert ran == [2, 3] and result["f1_by_switch"] == {"0": 0.0, "1": 0.1, "2": 0.2, "3": 0.3}
     assert not (paths.evals() / "handoff.partial.json").exists()
+
+
+def test_sft_runs_validate_every_val_every_steps(tmp_path):
+    from verl_memopd.experiment.config import smollm2_config, smollm2_horizon_config
+    from verl_memopd.experiment.sft import sft_command
+
+    def freqs(cfg: SftConfig) -> tuple[str, str]:
+        cmd = sft_command(tmp_path / "m", tmp_path / "d", tmp_path / "r", cfg, "t")
+        return tuple(next(a for a in cmd if a.startswith(k)) for k in ("trainer.save_freq=", "trainer.test_freq="))
+
+    horizon, three_calls = smollm2_horizon_config(), smollm2_config()
+    assert freqs(horizon.student_sft) == ("trainer.save_freq=5", "trainer.test_freq=20")
+    assert freqs(horizon.teacher_sft) == ("trainer.save_freq=50", "trainer.test_freq=150")
+    assert freqs(three_calls.student_sft) == ("trainer.save_freq=5", "trainer.test_freq=5")  # unset: save_every
+    with pytest.raises(ValueError, match="steps=20 must be a multiple of val_every=15"):
+        replace(horizon.student_sft, val_every=15)

@@ -439,3 +439,21 @@ def test_verls_sft_trainer_trains_the_flat_teacher_on_the_rows(stage_paths):
     before, after = (AutoModelForCausalLM.from_pretrained(p).state_dict() for p in (teacher, hf))
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert run_teacher_flat(cfg, paths) == hf  # done: not run again
+
+
+@pytest.mark.slow
+def test_how_often_verls_sft_trainer_validates_does_not_change_the_model(task_dir, tiny_models, tmp_path):
+    """What lets the horizon study validate its SFTs less often than it checkpoints (``SftConfig.val_every``): the
+    same SFT (tiny student, 4 steps, verl's SFT trainer through torchrun) with a val loss every step and only at the
+    end exports the same weights, byte for byte; a different lr, as a control, does not."""
+    from verl_memopd.experiment.launching import cpu_env
+    from verl_memopd.experiment.sft import run_sft, weights_sha256
+
+    def sha(name: str, **changes) -> str:
+        cfg = replace(SftConfig(steps=4, batch=4, lr=1e-4, save_every=4, warmup_steps=0), **changes)
+        hf = run_sft(tiny_models.student, task_dir / "sft_data", tmp_path / name, cfg, name, cpu_env(tmp_path))
+        return weights_sha256(hf)
+
+    every_step = sha("val_every_step", val_every=1)
+    assert sha("val_at_the_end") == every_step  # val_every None: at the 4-step checkpoint only
+    assert sha("other_lr", lr=2e-4) != every_step

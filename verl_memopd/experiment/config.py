@@ -71,7 +71,8 @@ class SftConfig:
 
     ``steps`` optimizer steps of ``batch`` rows (one row = one agent call), lr warmed up over
     ``warmup_steps`` then cosine-decayed to ``min_lr_ratio * lr``; a checkpoint (verl format plus
-    a Hugging Face export) and a validation loss every ``save_every`` steps. ``step_s`` is the measured wall
+    a Hugging Face export) every ``save_every`` steps, a validation loss every ``val_every`` (None: ``save_every``;
+    over the whole val split, minutes a time for SmolLM2: it does not touch training). ``step_s`` is the measured wall
     time of one step alone on 2 cores, used only for the ETA the stage prints. ``max_length``: verl's
     ``data.max_length``, the longest row in tokens (a longer one is refused, ``data.truncation=error``).
     """
@@ -84,15 +85,26 @@ class SftConfig:
     min_lr_ratio: float = 0.1
     step_s: float = 1.5
     max_length: int = 512
+    val_every: int | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch < 1 or self.save_every < 1 or self.max_length < 1:
             raise ValueError(f"SftConfig: steps, batch, save_every and max_length must be >= 1, got {self}")
+        if self.val_every is not None and (self.val_every < 1 or self.steps % self.val_every):
+            raise ValueError(
+                f"SftConfig: steps={self.steps} must be a multiple of val_every={self.val_every} (>= 1; the final "
+                "model's val loss is always measured)"
+            )
         if self.steps % self.save_every:
             raise ValueError(
                 f"SftConfig: steps={self.steps} must be a multiple of save_every={self.save_every} "
                 "(the final model is a saved checkpoint)"
             )
+
+    @property
+    def validate_every(self) -> int:
+        """Steps between validation losses (``val_every``, else ``save_every``)."""
+        return self.save_every if self.val_every is None else self.val_every
 
 
 @dataclass(frozen=True)
@@ -415,7 +427,12 @@ def smollm2_horizon_config() -> ExperimentConfig:
         name="cpu_smollm2_horizon",
         presets=tuple(f"h{t}" for t in HORIZONS),
         n_test=128,
-        teacher_sft=replace(base.teacher_sft, steps=300, warmup_steps=4),
+        # one val loss at the end of the student's SFT, two in the teacher's: a val pass over the mixed val split took
+        # 6.8 min alone (measured 2026-12-07, student step 5; ~9 min next to the test suite), most of the student
+        # SFT's 2302 s with a val every 5 steps; it does not change training. Student step_s: ~16 s a step alone +
+        # the one val, spread (estimate)
+        teacher_sft=replace(base.teacher_sft, steps=300, warmup_steps=4, val_every=150),
+        student_sft=replace(base.student_sft, val_every=20, step_s=50.0),
         student_eval_steps=(),
         student_f1_band=None,
         # h12's packed episodes reach ~2.2k response tokens (22 of 128 test episodes exceeded 2048, measured)

@@ -119,7 +119,7 @@ def sft_command(
         f"trainer.total_training_steps={cfg.steps}",
         "trainer.total_epochs=1000",
         f"trainer.save_freq={cfg.save_every}",
-        f"trainer.test_freq={cfg.save_every}",
+        f"trainer.test_freq={cfg.validate_every}",
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
         "trainer.project_name=memopd_experiment",
         f"trainer.experiment_name={name}",
