@@ -92,10 +92,14 @@ def arm_command(
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
         f"trainer.experiment_name={run_dir.name}",
         *cfg.arm_overrides,
-        *ARMS[arm],
-        *(CRITIC_FREE_OVERRIDES if arm in a.critic_free else ()),
+        *arm_overrides(arm, a.critic_free),
         *(variant.overrides if variant is not None else ()),
     )
+
+
+def arm_overrides(arm: str, critic_free: tuple[str, ...]) -> tuple[str, ...]:
+    """The arm's own Hydra overrides (:data:`ARMS`), plus :data:`CRITIC_FREE_OVERRIDES` if it is in ``critic_free``."""
+    return ARMS[arm] + (CRITIC_FREE_OVERRIDES if arm in critic_free else ())
 
 
 def check_arm_overrides(
@@ -110,11 +114,8 @@ def check_arm_overrides(
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    def own(arm: str) -> tuple[str, ...]:
-        return ARMS[arm] + (CRITIC_FREE_OVERRIDES if arm in critic_free else ())
-
-    for arm, overrides in [(a, own(a)) for a in arms] + [
-        (f"{a} ({v.name})", own(a) + v.overrides) for v, a in variants
+    for arm, overrides in [(a, arm_overrides(a, critic_free)) for a in arms] + [
+        (f"{a} ({v.name})", arm_overrides(a, critic_free) + v.overrides) for v, a in variants
     ]:
         GlobalHydra.instance().clear()
         with initialize_config_module(config_module="verl.trainer.config", version_base=None):

@@ -428,9 +428,9 @@ def smollm2_horizon_config() -> ExperimentConfig:
         presets=tuple(f"h{t}" for t in HORIZONS),
         n_test=128,
         # one val loss at the end of the student's SFT, two in the teacher's: a val pass over the mixed val split took
-        # 6.8 min alone (measured 2026-12-07, student step 5; ~9 min next to the test suite), most of the student
-        # SFT's 2302 s with a val every 5 steps; it does not change training. Student step_s: ~16 s a step alone +
-        # the one val, spread (estimate)
+        # 5.1-6.8 min alone, 9.8 min next to the test suite (measured 2026-12-07, the student's 4 vals), most of the
+        # student SFT's 2076-2302 s with a val every 5 steps; it does not change training (a slow test). Student
+        # step_s: ~16 s a step alone + the one val, spread (estimate)
         teacher_sft=replace(base.teacher_sft, steps=300, warmup_steps=4, val_every=150),
         student_sft=replace(base.student_sft, val_every=20, step_s=50.0),
         student_eval_steps=(),

@@ -137,25 +137,18 @@ def _stage_sft(role: str, cfg: ExperimentConfig, paths: Paths) -> None:
     run_dir = paths.sft(role)
     sft = cfg.teacher_sft if role == "teacher" else cfg.student_sft
     done = continuable_sft(run_dir, sft, f"sft_{role}")
-    if done is not None and done["steps"] == sft.steps:
-        record_sft_model(paths.results, role, done)
-        return _say(f"sft_{role}: done ({done['hf']})")
-    start = 0 if done is None else done["steps"]
-    _say(
-        f"sft_{role}: {'' if done is None else f'extending {start} -> '}{sft.steps} steps x {sft.batch} "
-        f"calls, lr {sft.lr}, checkpoint every {sft.save_every} (ETA ~{(sft.steps - start) * sft.step_s / 60:.0f} "
-        f"min alone; progress: tail -f {run_dir / 'sft.log'})"
-    )
-    hf = run_sft(
-        paths.models / role,
-        paths.sft_data,
-        run_dir,
-        sft,
-        f"sft_{role}",
-        cpu_env(paths.root, threads=cfg.worker_threads),
-    )
-    record_sft_model(paths.results, role, finished_sft(run_dir))
-    _say(f"sft_{role}: done -> {hf}")
+    if done is None or done["steps"] != sft.steps:
+        start = 0 if done is None else done["steps"]
+        _say(
+            f"sft_{role}: {'' if done is None else f'extending {start} -> '}{sft.steps} steps x {sft.batch} "
+            f"calls, lr {sft.lr}, checkpoint every {sft.save_every} (ETA ~{(sft.steps - start) * sft.step_s / 60:.0f} "
+            f"min alone; progress: tail -f {run_dir / 'sft.log'})"
+        )
+        env = cpu_env(paths.root, threads=cfg.worker_threads)
+        run_sft(paths.models / role, paths.sft_data, run_dir, sft, f"sft_{role}", env)
+    done = finished_sft(run_dir)
+    record_sft_model(paths.results, role, done)
+    _say(f"sft_{role}: done ({done['hf']})")
 
 
 def _later(module: str, function: str):
